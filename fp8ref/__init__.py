@@ -1,0 +1,77 @@
+"""fp8ref: a reference for FP8 W8A8 inference, and a referee for the kernels that compute it.
+
+The spec (formats, schemes, the reference quantizer and scaled GEMM, error bounds) lives in
+this package and imports no backend. See docs/spec.md for the contract.
+"""
+
+from .bounds import (
+    Accumulation,
+    PrecisionClass,
+    gamma,
+    gemm_error_bound,
+    linear_error_bound,
+    precision_class,
+    quantization_error_bound,
+    reference_gemm_error_bound,
+)
+from .formats import E4M3FN, E4M3FNUZ, E5M2, FORMATS, Fp8Format, get_format
+from .gemm import scaled_mm, scaled_mm_exact
+from .linear import reference_linear
+from .quant import Quantized, dequantize, quantize
+from .registry import Backend, BackendInfo, Case, backends, get_backend, register_backend, unregister_backend
+from .schemes import (
+    DEFAULT_AMAX_FLOOR,
+    FP8_BLOCK,
+    FP8_DYNAMIC,
+    FP8_PER_TENSOR,
+    RECIPES,
+    W8A8_FP8,
+    W8A8_FP8_ROCM,
+    Granularity,
+    QuantScheme,
+    Recipe,
+    get_recipe,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendInfo",
+    "Case",
+    "backends",
+    "get_backend",
+    "register_backend",
+    "unregister_backend",
+    "Accumulation",
+    "DEFAULT_AMAX_FLOOR",
+    "E4M3FN",
+    "E4M3FNUZ",
+    "E5M2",
+    "FORMATS",
+    "FP8_BLOCK",
+    "FP8_DYNAMIC",
+    "FP8_PER_TENSOR",
+    "Fp8Format",
+    "Granularity",
+    "PrecisionClass",
+    "QuantScheme",
+    "Quantized",
+    "RECIPES",
+    "Recipe",
+    "W8A8_FP8",
+    "W8A8_FP8_ROCM",
+    "dequantize",
+    "gamma",
+    "gemm_error_bound",
+    "get_format",
+    "get_recipe",
+    "linear_error_bound",
+    "precision_class",
+    "quantization_error_bound",
+    "quantize",
+    "reference_gemm_error_bound",
+    "reference_linear",
+    "scaled_mm",
+    "scaled_mm_exact",
+]

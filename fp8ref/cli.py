@@ -1,0 +1,33 @@
+"""The ``fp8ref`` command line.
+
+Each subcommand lives in its own module, which provides ``add_parser(subparsers)``; this file
+only lists them, so features stay independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: (module, description) of every subcommand module; each registers one or more subcommands.
+SUBCOMMAND_MODULES = (
+    "fp8ref.cli_spec",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp8ref", description="FP8 W8A8 reference and referee")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for mod in SUBCOMMAND_MODULES:
+        importlib.import_module(mod).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The ``reference`` backend: the spec itself. Exact, always available, slow."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import gemm, quant
+from ..bounds import Accumulation
+from ..registry import Backend, register_backend
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    accumulation = Accumulation.EXACT
+    output_roundings = 1
+
+    def quantize(self, x, scheme):
+        return quant.quantize(x, scheme)
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        return gemm.scaled_mm(a, b, bias, out_dtype)
+
+
+register_backend(ReferenceBackend())

@@ -1,0 +1,231 @@
+"""The reference quantizer: what FP8 quantization of a 2-D tensor computes, bit for bit.
+
+For a block B of ``x`` (shape ``[rows, cols]``, blocks from the scheme's granularity)::
+
+    amax  = max |x_i| over B                       (in fp32: exact)
+    s     = max(amax, floor) / qmax                (fp32, correctly rounded; s = 1 if it is 0)
+    s     = 2**ceil(log2 s)                        (only with pow2_scale)
+    s     = round(s, scale_dtype)                  (stored scale; at least scale_dtype's tiny)
+    v_i   = fl32(x_i / s)                          (a true IEEE division, one rounding)
+    q_i   = RNE_fmt(clamp(v_i, -qmax, qmax))       (one rounding to the FP8 grid)
+
+and ``x_i ~ q_i * s`` (the *dequantization* scale, the convention of ``torch._scaled_mm``).
+NaN or +-Inf anywhere in ``x`` raises ``ValueError``: a quantizer must never return a silent
+all-zero or all-NaN result. See docs/spec.md for the derivation of every choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import Fp8Format
+from .schemes import Granularity, QuantScheme
+
+__all__ = [
+    "Quantized",
+    "quantize",
+    "dequantize",
+    "compute_scale",
+    "expand_scale",
+    "round_to_format",
+    "check_float_input",
+    "saturation_threshold",
+]
+
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A quantized 2-D tensor: ``x ~ data * expand(scale)``.
+
+    Attributes
+    ----------
+    data : torch.Tensor
+        FP8 codes, ``[rows, cols]``, dtype ``scheme.format.torch_dtype``.
+    scale : torch.Tensor
+        Dequantization scales, ``scheme.scale_shape(rows, cols)``, dtype ``scheme.scale_dtype``.
+    scheme : QuantScheme
+        The scheme that produced it.
+    n_saturated : int or None
+        Elements whose value the clamp changed by more than half an FP8 ulp (|x/s| >
+        qmax + ulp(qmax)/2); None when the producer did not count (third-party backends).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    scheme: QuantScheme
+    n_saturated: int | None = None
+
+    def __post_init__(self) -> None:
+        fmt = self.scheme.format
+        if self.data.dtype != fmt.torch_dtype:
+            raise TypeError(f"Quantized.data has dtype {self.data.dtype}, scheme {self.scheme.short_str()} "
+                            f"needs {fmt.torch_dtype}")
+        if self.data.dim() != 2:
+            raise ValueError(f"Quantized.data must be 2-D [rows, cols], got shape {tuple(self.data.shape)}")
+        want = self.scheme.scale_shape(*self.data.shape)
+        if tuple(self.scale.shape) != want:
+            raise ValueError(f"Quantized.scale has shape {tuple(self.scale.shape)}, scheme "
+                             f"{self.scheme.short_str()} on data {tuple(self.data.shape)} needs {want}")
+        if self.scale.dtype != self.scheme.scale_dtype:
+            raise TypeError(f"Quantized.scale has dtype {self.scale.dtype}, scheme needs {self.scheme.scale_dtype}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+
+def check_float_input(x: torch.Tensor, what: str = "x") -> None:
+    """Raise TypeError/ValueError unless ``x`` is a 2-D float tensor with finite values."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{what} must have a float dtype {[str(d) for d in _FLOAT_INPUTS]}, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be 2-D [rows, cols], got shape {tuple(x.shape)}; "
+                         "flatten leading dims first (fp8ref.linear does)")
+    if x.shape[1] == 0:
+        raise ValueError(f"{what} has 0 columns: the reduction dim K must be at least 1")
+    if x.numel():
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{what} contains {int(bad.sum())} non-finite value(s) (first: {x[idx].item()} "
+                             f"at index {idx}); FP8 quantization of NaN/Inf is undefined")
+
+
+def _blocks(x: torch.Tensor, r: int, c: int) -> torch.Tensor:
+    """View ``x`` zero-padded to whole blocks as ``[R, r, C, c]``."""
+    rows, cols = x.shape
+    pr, pc = (-rows) % r, (-cols) % c
+    if pr or pc:
+        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+    return x.reshape(x.shape[0] // r, r, x.shape[1] // c, c)
+
+
+def expand_scale(scale: torch.Tensor, scheme: QuantScheme, rows: int, cols: int) -> torch.Tensor:
+    """Broadcast a ``scale_shape`` scale tensor to ``[rows, cols]`` (one scale per element)."""
+    r, c = scheme.block_shape(rows, cols)
+    return scale.repeat_interleave(r, dim=0)[:rows].repeat_interleave(c, dim=1)[:, :cols]
+
+
+def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Dynamic dequantization scale per block of the 2-D tensor ``x``, in ``scheme.scale_dtype``.
+
+    Notes
+    -----
+    s = max(amax, floor) / qmax in fp32 (s = 1 when both amax and floor are 0), then rounded up
+    to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never below that
+    dtype's smallest normal. Hence s > 0 and finite for every finite input.
+    """
+    rows, cols = x.shape
+    r, c = scheme.block_shape(rows, cols)
+    if x.numel() == 0:
+        amax = torch.zeros(scheme.scale_shape(rows, cols), dtype=torch.float32, device=x.device)
+    else:
+        amax = _blocks(x.to(torch.float32).abs(), r, c).amax(dim=(1, 3))
+    s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    if scheme.pow2_scale:
+        m, e = torch.frexp(s)  # s = m * 2**e, 0.5 <= m < 1; a power of two has m == 0.5
+        s = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
+    info = torch.finfo(scheme.scale_dtype)
+    s = torch.clamp(s, min=info.tiny).to(scheme.scale_dtype)
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError(f"a scale overflows {scheme.scale_dtype} (amax {float(amax.max()):g} / qmax "
+                         f"{scheme.qmax:g} > {info.max:g}); use a wider scale_dtype")
+    return s
+
+
+def saturation_threshold(fmt: Fp8Format, qmax: float) -> float:
+    """|v| above which round-to-nearest would leave qmax: qmax + ulp(qmax)/2 (exact in fp32)."""
+    return qmax + float(fmt.ulp(torch.tensor(qmax))) / 2
+
+
+def round_to_format(v: torch.Tensor, fmt: Fp8Format, qmax: float) -> torch.Tensor:
+    """RNE_fmt(clamp(v, -qmax, qmax)) for fp32 ``v``: clamp explicitly, then one rounding.
+
+    torch >= 2.12's cast rounds to nearest even and saturates; older casts and ml_dtypes give NaN
+    on overflow, so the clamp is part of the spec rather than left to the cast.
+    """
+    return torch.clamp(v, -qmax, qmax).to(fmt.torch_dtype)
+
+
+def _static_scale(scale, scheme: QuantScheme, rows: int, cols: int, device) -> torch.Tensor:
+    want = scheme.scale_shape(rows, cols)
+    s = torch.as_tensor(scale, device=device)
+    if not s.is_floating_point():
+        raise TypeError(f"static scale must be a float tensor, got {s.dtype}")
+    if s.numel() == want[0] * want[1] and s.dim() <= 2 and (s.dim() < 2 or tuple(s.shape) == want):
+        s = s.reshape(want)
+    else:
+        raise ValueError(f"static scale has shape {tuple(s.shape)}, scheme {scheme.short_str()} on "
+                         f"[{rows}, {cols}] needs {want}")
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise ValueError("static scale must be finite and > 0 everywhere "
+                         f"(min {float(s.min()) if s.numel() else 'n/a'})")
+    stored = s.to(scheme.scale_dtype)
+    if not torch.equal(stored.to(torch.float64), s.to(torch.float64)):
+        raise ValueError(f"static scale is not exactly representable in scale_dtype {scheme.scale_dtype}")
+    return stored
+
+
+def quantize(x: torch.Tensor, scheme: QuantScheme | None = None, scale: torch.Tensor | None = None) -> Quantized:
+    """Quantize a 2-D float tensor to FP8 under ``scheme`` (the spec; see module docstring).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[rows, cols]``, fp32/fp16/bf16/fp64 (fp64 is first rounded to fp32), finite.
+    scheme : QuantScheme, optional
+        Defaults to ``QuantScheme()``: E4M3FN, dynamic per-row.
+    scale : torch.Tensor, optional
+        The dequantization scale, required for a static scheme and refused for a dynamic one;
+        shape ``scheme.scale_shape(rows, cols)`` (a scalar for per-tensor, ``[rows]`` for per-row).
+
+    Returns
+    -------
+    Quantized
+        With ``n_saturated`` counted (non-zero only when a static or rounded scale clips).
+
+    Examples
+    --------
+    >>> import torch, fp8ref
+    >>> q = fp8ref.quantize(torch.tensor([[1.0, -2.0, 448.0]]), fp8ref.QuantScheme())
+    >>> q.data.float().tolist(), q.scale.item()
+    ([[1.0, -2.0, 448.0]], 1.0)
+    """
+    scheme = QuantScheme() if scheme is None else scheme
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"scheme must be a QuantScheme, got {type(scheme).__name__}")
+    check_float_input(x)
+    rows, cols = x.shape
+    if scheme.dynamic:
+        if scale is not None:
+            raise ValueError(f"scheme {scheme.short_str()} is dynamic: pass no scale (or use dynamic=False)")
+        s = compute_scale(x, scheme)
+    else:
+        if scale is None:
+            raise ValueError(f"scheme {scheme.short_str()} is static: quantize needs scale=")
+        s = _static_scale(scale, scheme, rows, cols, x.device)
+    fmt = scheme.format
+    v = x.to(torch.float32) / expand_scale(s.to(torch.float32), scheme, rows, cols)
+    n_sat = int((v.abs() > saturation_threshold(fmt, scheme.qmax)).sum()) if v.numel() else 0
+    return Quantized(round_to_format(v, fmt, scheme.qmax), s, scheme, n_sat)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale`` per element, computed exactly in fp64 and rounded once to ``dtype``.
+
+    The product of a 4-bit FP8 significand and a <= 24-bit scale significand has at most 28
+    bits, so the fp64 product is exact.
+    """
+    rows, cols = q.data.shape
+    s = expand_scale(q.scale.to(torch.float64), q.scheme, rows, cols)
+    return (q.data.to(torch.float64) * s).to(dtype)

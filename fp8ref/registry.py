@@ -1,0 +1,173 @@
+"""The backend API (public and stable) and the registry of backends.
+
+A backend is a real implementation of the two FP8 ops; it declares how it accumulates and how
+many times it rounds to the output dtype, which fixes the error bound it is checked against
+(``fp8ref.bounds.gemm_error_bound``) and its precision class. It says *why* it cannot take a
+case (``supports`` returns a reason string) instead of failing or computing something else.
+
+Third-party backends register with ``register_backend`` or through the entry-point group
+``fp8ref.backends`` (each entry point names a Backend subclass or instance).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from .bounds import Accumulation, PrecisionClass, precision_class
+from .quant import Quantized
+from .schemes import QuantScheme, Recipe
+
+__all__ = ["Backend", "Case", "BackendInfo", "register_backend", "unregister_backend", "get_backend",
+           "backends", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "fp8ref.backends"
+
+#: Modules of the backends shipped with fp8ref, imported on first use of the registry.
+_BUILTIN_MODULES = ("fp8ref.kernels.reference",)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One linear problem: y[M, N] = x[M, K] w[N, K]^T under ``recipe``."""
+
+    M: int
+    N: int
+    K: int
+    recipe: Recipe
+    x_dtype: torch.dtype = torch.bfloat16
+    out_dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    has_bias: bool = False
+
+    def short_str(self) -> str:
+        return (f"M{self.M}-N{self.N}-K{self.K}-{self.recipe.name}-{str(self.x_dtype)[6:]}"
+                f"-{str(self.out_dtype)[6:]}-{self.device}{'-bias' if self.has_bias else ''}")
+
+
+class Backend:
+    """Base class of every backend. Subclasses set ``name`` and ``accumulation`` and implement
+    ``quantize`` and ``scaled_mm``; they override ``available`` and ``supports`` to decline.
+
+    Attributes
+    ----------
+    name : str
+        Registry key.
+    accumulation : Accumulation
+        Declared accumulation along K (``Accumulation.FP32`` unless stated).
+    output_roundings : int
+        1 if the result is rounded to the output dtype once, 2 if twice (e.g. a bf16 GEMM whose
+        output is scaled afterwards).
+    """
+
+    name: str = ""
+    accumulation: Accumulation = Accumulation.FP32
+    output_roundings: int = 1
+
+    @property
+    def precision(self) -> PrecisionClass:
+        return precision_class(self.accumulation, self.output_roundings)
+
+    def available(self) -> str | None:
+        """None if the backend can run on this machine, else the reason it cannot."""
+        return None
+
+    def supports(self, case: Case) -> str | None:
+        """None if the backend takes ``case``, else the reason it does not."""
+        return None
+
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
+        raise NotImplementedError(f"backend {self.name!r} does not implement quantize")
+
+    def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        raise NotImplementedError(f"backend {self.name!r} does not implement scaled_mm")
+
+    def prepare_weight(self, w: Quantized) -> Any:
+        """Optional load-time hook: turn a quantized weight into whatever ``scaled_mm`` is fastest
+        with (a layout change, a wider copy). The default keeps the Quantized as is."""
+        return w
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.precision.value}>"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    available: bool
+    reason: str | None
+    precision: str
+    accumulation: str
+    output_roundings: int
+
+
+_REGISTRY: dict[str, Backend] = {}
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in _BUILTIN_MODULES:
+        importlib.import_module(mod)
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            backend = obj() if isinstance(obj, type) else obj
+            if backend.name not in _REGISTRY:
+                register_backend(backend)
+        except Exception as exc:  # a broken plug-in must not break fp8ref; say so once
+            warnings.warn(f"fp8ref: backend entry point {ep.name!r} failed to load: {exc!r}", stacklevel=2)
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    """Add ``backend`` to the registry (``replace=True`` to overwrite a name)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"expected an fp8ref.Backend instance, got {type(backend).__name__}")
+    if not backend.name or not isinstance(backend.name, str):
+        raise ValueError("a backend needs a non-empty str name")
+    if not isinstance(backend.accumulation, Accumulation):
+        raise TypeError(f"backend {backend.name!r}: accumulation must be an fp8ref.Accumulation")
+    precision_class(backend.accumulation, backend.output_roundings)  # validates output_roundings
+    if backend.name in _REGISTRY and not replace:
+        raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    _ensure_loaded()
+    if name == "reference":
+        raise ValueError("the reference backend cannot be unregistered")
+    _REGISTRY.pop(name, None)
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend called ``name`` (KeyError listing the known names otherwise)."""
+    _ensure_loaded()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no backend named {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def backends() -> list[BackendInfo]:
+    """Every registered backend, with whether it is available here and why not."""
+    _ensure_loaded()
+    out = []
+    for b in _REGISTRY.values():
+        try:
+            reason = b.available()
+        except Exception as exc:
+            reason = f"available() raised {exc!r}"
+        out.append(BackendInfo(b.name, reason is None, reason, b.precision.value, b.accumulation.name,
+                               b.output_roundings))
+    return out
