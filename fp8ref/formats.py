@@ -86,7 +86,8 @@ class Fp8Format:
         """
         a = v.abs().to(torch.float64)
         _, e = torch.frexp(a)  # a = m * 2**e with 0.5 <= m < 1, so floor(log2 a) = e - 1
-        e = torch.clamp(e.to(torch.float64) - 1, min=self.min_exponent)
+        e = torch.where(a == 0, self.min_exponent, e.to(torch.float64) - 1)  # frexp(0) gives e = 0
+        e = torch.clamp(e, min=self.min_exponent)
         return torch.exp2(e - self.mantissa_bits)
 
     def code_values(self) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""The reference scaled GEMM against exact rational arithmetic, and its bad-input errors."""
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+import fp8ref
+from fp8ref import QuantScheme, Quantized, quantize, scaled_mm
+from fp8ref.gemm import exact_plan, k_segments, scaled_mm_exact
+from fp8ref.quant import expand_scale
+
+
+def _fraction_gemm(a: Quantized, b: Quantized, bias=None):
+    """y = sum_k a_k b_k sa_k sb_k + bias in exact rationals (scales constant per segment)."""
+    M, K = a.data.shape
+    N = b.data.shape[0]
+    av, bv = a.data.double().tolist(), b.data.double().tolist()
+    sa = expand_scale(a.scale.double(), a.scheme, M, K).tolist()
+    sb = expand_scale(b.scale.double(), b.scheme, N, K).tolist()
+    out = []
+    for m in range(M):
+        row = []
+        for n in range(N):
+            acc = sum((Fraction(av[m][k]) * Fraction(bv[n][k]) * Fraction(sa[m][k]) * Fraction(sb[n][k])
+                       for k in range(K)), Fraction(0))
+            if bias is not None:
+                acc += Fraction(float(bias[n]))
+            row.append(acc)
+        out.append(row)
+    return out
+
+
+def _codes(fmt, shape, g):
+    """Random finite codes of ``fmt`` drawn by bit pattern."""
+    bits = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    vals = bits.view(fmt.torch_dtype)
+    bad = ~torch.isfinite(vals.float())
+    return torch.where(bad, torch.zeros_like(bits), bits).view(fmt.torch_dtype)
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", [("e4m3fn", "e4m3fn"), ("e5m2", "e5m2"), ("e4m3fnuz", "e4m3fnuz"),
+                                         ("e4m3fn", "e5m2")])
+def test_accumulation_is_exact_on_raw_codes(fmt_a, fmt_b):
+    """With unit scales the float64 result *is* the exact rational sum (for E5M2 it is the
+    float64 sum of at most 4 exact partial sums: checked against the stated bound)."""
+    g = torch.Generator().manual_seed(7)
+    sa = QuantScheme(format=fmt_a, granularity="tensor", dynamic=False)
+    sb = QuantScheme(format=fmt_b, granularity="tensor", dynamic=False)
+    a = Quantized(_codes(sa.format, (5, 33), g), torch.ones(1, 1), sa)
+    b = Quantized(_codes(sb.format, (4, 33), g), torch.ones(1, 1), sb)
+    y, n_inexact = scaled_mm_exact(a, b)
+    exact = _fraction_gemm(a, b)
+    bound = fp8ref.reference_gemm_error_bound(a, b)
+    for m in range(5):
+        for n in range(4):
+            if n_inexact == 0:
+                assert Fraction(float(y[m, n])) == exact[m][n]
+            else:
+                assert abs(Fraction(float(y[m, n])) - exact[m][n]) <= Fraction(float(bound[m, n]))
+    assert n_inexact == (0 if "e5m2" not in (fmt_a, fmt_b) else len(exact_plan(sa.format, sb.format).pairs) - 1)
+
+
+def test_cancellation_that_fp32_loses_is_exact():
+    # 448*448 - 448*448 + 2**-9 * 2**-9: the tiny product survives exactly
+    s = QuantScheme(granularity="tensor", dynamic=False)
+    a = torch.tensor([[448.0, 2.0**-9, -448.0] * 300])
+    b = torch.tensor([[448.0, 2.0**-9, 448.0] * 300])
+    qa = quantize(a, s, scale=torch.tensor(1.0))
+    qb = quantize(b, s, scale=torch.tensor(1.0))
+    y = scaled_mm(qa, qb, out_dtype=torch.float64)
+    assert float(y) == 300 * 2.0**-18
+    y32 = (a @ b.T).item()
+    assert y32 != 300 * 2.0**-18  # fp32 accumulation loses it: the reference must not
+
+
+RECIPES = list(fp8ref.RECIPES.values())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+@pytest.mark.parametrize("K", [1, 17, 130], ids=lambda k: f"K{k}")
+def test_scaled_mm_matches_rationals_within_its_own_bound(recipe, K):
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(3, K, generator=g) * 5
+    w = torch.randn(6, K, generator=g)
+    bias = torch.randn(6, generator=g)
+    qa, qb = quantize(x, recipe.activation), quantize(w, recipe.weight)
+    y = scaled_mm(qa, qb, bias, out_dtype=torch.float64)
+    exact = _fraction_gemm(qa, qb, bias)
+    bound = fp8ref.reference_gemm_error_bound(qa, qb, bias)
+    for m in range(3):
+        for n in range(6):
+            assert abs(Fraction(float(y[m, n])) - exact[m][n]) <= Fraction(float(bound[m, n]))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_output_is_rounded_once(out_dtype):
+    g = torch.Generator().manual_seed(2)
+    qa, qb = quantize(torch.randn(8, 64, generator=g)), quantize(torch.randn(16, 64, generator=g))
+    y64 = scaled_mm(qa, qb, out_dtype=torch.float64)
+    assert torch.equal(scaled_mm(qa, qb, out_dtype=out_dtype), y64.to(out_dtype))
+
+
+def test_segments_are_the_union_of_block_edges():
+    a = quantize(torch.randn(2, 300), QuantScheme(granularity="group", group_size=128))
+    b = quantize(torch.randn(3, 300), QuantScheme(granularity="block", block=(2, 96)))
+    assert k_segments(a, b) == [(0, 96), (96, 128), (128, 192), (192, 256), (256, 288), (288, 300)]
+    r = quantize(torch.randn(3, 300), QuantScheme())
+    assert k_segments(r, r) == [(0, 300)]
+
+
+def test_m_zero_and_k_one():
+    qa = quantize(torch.zeros(0, 8))
+    qb = quantize(torch.randn(4, 8))
+    assert scaled_mm(qa, qb).shape == (0, 4)
+    p2 = QuantScheme(pow2_scale=True)  # power-of-two scales: every value below is represented exactly
+    y = scaled_mm(quantize(torch.tensor([[2.0]]), p2), quantize(torch.tensor([[3.0], [-0.5]]), p2),
+                  out_dtype=torch.float32)
+    assert y.tolist() == [[6.0, -1.0]]
+
+
+def test_bad_operands_raise():
+    qa = quantize(torch.randn(2, 8))
+    qb = quantize(torch.randn(3, 8))
+    with pytest.raises(ValueError, match="K mismatch"):
+        scaled_mm(qa, quantize(torch.randn(3, 9)))
+    with pytest.raises(TypeError, match="Quantized"):
+        scaled_mm(torch.randn(2, 8), qb)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        scaled_mm(qa, qb, torch.randn(2))
+    with pytest.raises(ValueError, match="NaN"):
+        scaled_mm(qa, qb, torch.tensor([0.0, float("nan"), 1.0]))
+    with pytest.raises(TypeError, match="out_dtype"):
+        scaled_mm(qa, qb, out_dtype=torch.int32)
+
+
+def test_e5m2_large_magnitudes_are_exact_where_float64_alone_is_not():
+    # 57344^2 ~ 3.3e9 next to 2**-32: 64 binades, beyond one float64; the split keeps it
+    s = QuantScheme(format="e5m2", granularity="tensor", dynamic=False)
+    a = torch.tensor([[57344.0, 2.0**-16, -57344.0]])
+    b = torch.tensor([[57344.0, 2.0**-16, 57344.0]])
+    y = scaled_mm(quantize(a, s, scale=torch.tensor(1.0)), quantize(b, s, scale=torch.tensor(1.0)),
+                  out_dtype=torch.float64)
+    assert float(y) == 2.0**-32
