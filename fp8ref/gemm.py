@@ -82,7 +82,7 @@ def k_segments(a: Quantized, b: Quantized) -> list[tuple[int, int]]:
     _, ca = a.scheme.block_shape(*a.data.shape)
     _, cb = b.scheme.block_shape(*b.data.shape)
     edges = sorted(set(range(0, K, ca)) | set(range(0, K, cb)) | {K})
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
@@ -131,7 +131,7 @@ def _segment_sum(a8: torch.Tensor, b8: torch.Tensor, plan: ExactPlan, bufs: dict
             if len(plan.pairs) == 1:
                 pair_accs[0].addmm_(a, b.T)
                 continue
-            for acc, (pa, pb) in zip(pair_accs, plan.pairs):
+            for acc, (pa, pb) in zip(pair_accs, plan.pairs, strict=True):
                 am = torch.where((a.abs() >= pa.lo) & (a.abs() < pa.hi), a, 0.0)
                 bm = torch.where((b.abs() >= pb.lo) & (b.abs() < pb.hi), b, 0.0)
                 acc.addmm_(am, bm.T)

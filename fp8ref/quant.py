@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import Fp8Format
-from .schemes import Granularity, QuantScheme
+from .schemes import QuantScheme
 
 __all__ = [
     "Quantized",

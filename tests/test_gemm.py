@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref import QuantScheme, Quantized, quantize, scaled_mm
+from fp8ref import Quantized, QuantScheme, quantize, scaled_mm
 from fp8ref.gemm import exact_plan, k_segments, scaled_mm_exact
 from fp8ref.quant import expand_scale
 
