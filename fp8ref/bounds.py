@@ -219,11 +219,13 @@ def reference_gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | 
 def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = None, *,
                      out_dtype: torch.dtype = torch.bfloat16,
                      accumulation: Accumulation = Accumulation.FP32,
-                     output_roundings: int = 1) -> torch.Tensor:
+                     output_roundings: int = 1,
+                     y_ref: torch.Tensor | None = None) -> torch.Tensor:
     """Bound on |y_hat - y_ref| for a backend with the declared accumulation and rounding count.
 
     ``y_ref`` is the reference's float64 result (``scaled_mm(..., out_dtype=torch.float64)``)
-    and ``y_hat`` the backend's output in ``out_dtype``.
+    and ``y_hat`` the backend's output in ``out_dtype``. Pass ``y_ref`` if you already computed
+    it (a checker needs it anyway) to save one reference GEMM.
 
     Notes
     -----
@@ -257,7 +259,11 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     mass, n_add = _mass(a, b)
     abias = _abs_bias(bias, mass)
     e_ref = _reference_error(nseg, n_add, mass, abias)
-    y_ref, _ = scaled_mm_exact(a, b, bias)
+    if y_ref is None:
+        y_ref, _ = scaled_mm_exact(a, b, bias)
+    elif y_ref.dtype != torch.float64 or tuple(y_ref.shape) != tuple(mass.shape):
+        raise ValueError(f"y_ref must be the reference's float64 [M, N] result, got {y_ref.dtype} "
+                         f"{tuple(y_ref.shape)}")
     u_acc = accumulation.unit_roundoff
     if u_acc == 0:
         g = 0.0
