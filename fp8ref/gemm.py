@@ -197,8 +197,9 @@ def scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
     Examples
     --------
     >>> import torch, fp8ref
-    >>> a = fp8ref.quantize(torch.tensor([[1.0, 2.0]]))
-    >>> b = fp8ref.quantize(torch.tensor([[3.0, 4.0], [0.5, 0.25]]))
+    >>> p2 = fp8ref.QuantScheme(pow2_scale=True)  # power-of-two scales: these values quantize exactly
+    >>> a = fp8ref.quantize(torch.tensor([[1.0, 2.0]]), p2)
+    >>> b = fp8ref.quantize(torch.tensor([[3.0, 4.0], [0.5, 0.25]]), p2)
     >>> fp8ref.scaled_mm(a, b, out_dtype=torch.float32).tolist()
     [[11.0, 1.0]]
     """
