@@ -14,9 +14,11 @@ from .bounds import (
     quantization_error_bound,
     reference_gemm_error_bound,
 )
+from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
 from .formats import E4M3FN, E4M3FNUZ, E5M2, FORMATS, Fp8Format, get_format
 from .gemm import scaled_mm, scaled_mm_exact
-from .linear import reference_linear
+from .linear import explain, linear, reference_linear  # shadows the submodule: use sys.modules["fp8ref.linear"]
+from .nn import Fp8Linear, QuantizeSummary, quantize_model
 from .quant import Quantized, dequantize, quantize
 from .registry import Backend, BackendInfo, Case, backends, get_backend, register_backend, unregister_backend
 from .schemes import (
@@ -32,6 +34,9 @@ from .schemes import (
     Recipe,
     get_recipe,
 )
+from .select import BackendUnavailableError, Decision, NoCompliantBackendError
+from .select import clear_cache as clear_selection_cache
+from .select import select as select_backend
 
 __version__ = "0.1.0"
 
@@ -72,6 +77,19 @@ __all__ = [
     "quantize",
     "reference_gemm_error_bound",
     "reference_linear",
+    "linear",
+    "explain",
+    "Fp8Linear",
+    "QuantizeSummary",
+    "quantize_model",
+    "CheckpointError",
+    "save_fp8_dynamic",
+    "load_fp8_dynamic",
+    "BackendUnavailableError",
+    "Decision",
+    "NoCompliantBackendError",
+    "clear_selection_cache",
+    "select_backend",
     "scaled_mm",
     "scaled_mm_exact",
 ]

@@ -13,6 +13,7 @@ import sys
 #: (module, description) of every subcommand module; each registers one or more subcommands.
 SUBCOMMAND_MODULES = (
     "fp8ref.cli_spec",
+    "fp8ref.cli_select",
 )
 
 

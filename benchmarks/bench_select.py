@@ -1,0 +1,145 @@
+"""Selector benchmarks: dispatch overhead of ``fp8ref.linear(backend="auto")`` after warm-up, and
+the time of a first selection for a new shape bucket.
+
+Run: ``python benchmarks/bench_select.py [--quick]`` (prints a table), or under pytest-benchmark
+(``pytest benchmarks/bench_select.py --benchmark-enable``).
+
+The overhead is measured with a *null* backend whose quantize and scaled_mm return precomputed
+results: what remains is exactly fp8ref's dispatch (weight-cache and dispatch lookups), compared
+with calling the same two methods directly. Timings on a shared machine are noisy: the minimum
+over repeats is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+import fp8ref
+from fp8ref import select as sel
+from fp8ref.linear import linear
+
+
+class NullBackend(fp8ref.Backend):
+    """The reference, except that for the benchmark's own input it returns precomputed results:
+    it passes the compliance probe, and the timed loop measures dispatch, not arithmetic."""
+
+    name = "bench-null"
+    accumulation = fp8ref.Accumulation.EXACT
+
+    def __init__(self):
+        self.x = self.q = self.y = None
+
+    def quantize(self, x, scheme):
+        return self.q if x is self.x else fp8ref.quantize(x, scheme)
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        return self.y if a is self.q else fp8ref.scaled_mm(a, b, bias, out_dtype)
+
+
+def _best_per_call(f, n: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def dispatch_overhead(M: int = 1, N: int = 256, K: int = 256, n: int = 2000, repeats: int = 7) -> dict:
+    """Per-call time of ``linear(x, w)`` under "auto" minus calling the chosen backend directly."""
+    null = NullBackend()
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    w = torch.randn(N, K, dtype=torch.bfloat16)
+    null.x, null.q = x, fp8ref.quantize(x, fp8ref.W8A8_FP8.activation)
+    null.y = fp8ref.scaled_mm(null.q, fp8ref.quantize(w, fp8ref.W8A8_FP8.weight))
+    fp8ref.register_backend(null, replace=True)
+    try:
+        # Only the null backend and the reference compete (the reference is never timed, so the
+        # null backend wins deterministically).
+        os.environ[sel.ENV_CANDIDATES] = null.name
+        prep = null.prepare_weight(fp8ref.quantize(w, fp8ref.W8A8_FP8.weight))
+        act = fp8ref.W8A8_FP8.activation
+
+        def direct():
+            return null.scaled_mm(null.quantize(x, act), prep, None, torch.bfloat16)
+
+        def auto():
+            return linear(x, w)
+
+        linear(x, w)  # selection + weight quantization happen here, once
+        chosen = sel.resolve(fp8ref.Case(M=M, N=N, K=K, recipe=fp8ref.W8A8_FP8))[0].name
+        t_direct = _best_per_call(direct, n, repeats)
+        t_auto = _best_per_call(auto, n, repeats)
+        return {"chosen": chosen, "direct_us": t_direct * 1e6, "auto_us": t_auto * 1e6,
+                "overhead_us": (t_auto - t_direct) * 1e6}
+    finally:
+        os.environ.pop(sel.ENV_CANDIDATES, None)
+        fp8ref.unregister_backend(null.name)
+        sel.clear_cache()
+
+
+def first_selection(M: int, N: int, K: int) -> tuple[float, sel.Decision]:
+    """Wall time of a selection for a new bucket (probe + timing, nothing cached)."""
+    sel.clear_cache()
+    t0 = time.perf_counter()
+    d = sel.select(fp8ref.Case(M=M, N=N, K=K, recipe=fp8ref.W8A8_FP8), refresh=True)
+    return time.perf_counter() - t0, d
+
+
+def rounding_cost(seed: int = 0) -> dict:
+    """The numbers behind the default precision class: the FP8 quantization error of a W8A8
+    linear against one and two bf16 roundings of the reference's result (64 x 1024 x 512)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 1024, generator=g).bfloat16()
+    w = (torch.randn(512, 1024, generator=g) / 32).bfloat16()
+    qx, qw = fp8ref.quantize(x, fp8ref.W8A8_FP8.activation), fp8ref.quantize(w, fp8ref.W8A8_FP8.weight)
+    y64 = fp8ref.scaled_mm(qx, qw, out_dtype=torch.float64)
+    one = fp8ref.scaled_mm(qx, qw, out_dtype=torch.bfloat16).double()
+    # two roundings, as the cpu-bf16 path: the exact accumulator rounded to bf16, scaled in fp32
+    acc = qx.data.double() @ qw.data.double().T
+    two = (acc.bfloat16().float() * qx.scale.float() * qw.scale.float().T).bfloat16().double()
+    y_true = x.double() @ w.double().T
+
+    def rel_l2(a, b):
+        return float((a - b).norm() / b.norm())
+
+    def mean_rel(a):
+        return float(((a - y64).abs() / y64.abs()).mean())
+
+    return {"quantization_rel_l2": rel_l2(y64, y_true), "one_rounding_rel_l2": rel_l2(one, y64),
+            "two_roundings_rel_l2": rel_l2(two, y64), "one_rounding_mean_rel": mean_rel(one),
+            "two_roundings_mean_rel": mean_rel(two)}
+
+
+def test_dispatch_overhead(benchmark):
+    res = benchmark.pedantic(dispatch_overhead, rounds=1, iterations=1)
+    assert res["chosen"] == "bench-null"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes only")
+    args = ap.parse_args(argv)
+    os.environ.setdefault(sel.ENV_CACHE_DIR, tempfile.mkdtemp(prefix="fp8ref-bench-"))
+    rc = rounding_cost()
+    print("precision: " + ", ".join(f"{k} {v:.2e}" for k, v in rc.items()))
+    res = dispatch_overhead()
+    print(f"dispatch: chosen={res['chosen']}  direct {res['direct_us']:.2f} us  auto {res['auto_us']:.2f} us  "
+          f"overhead {res['overhead_us']:.2f} us per call")
+    shapes = [(16, 512, 256)] if args.quick else [(1, 4096, 4096), (16, 4096, 4096), (128, 14336, 4096),
+                                                  (1024, 4096, 14336)]
+    for M, N, K in shapes:
+        secs, d = first_selection(M, N, K)
+        print(f"first selection M={M} N={N} K={K}: {secs:.2f} s, chosen {d.chosen}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

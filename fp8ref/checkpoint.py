@@ -1,0 +1,284 @@
+"""FP8 checkpoints in the compressed-tensors FP8_DYNAMIC layout, via safetensors (no pickle).
+
+Layout (what Neural Magic's "-FP8-dynamic" checkpoints hold, and vLLM / SGLang read):
+
+* ``<m>.weight``        F8_E4M3 ``[N, K]``: the FP8 codes of each quantized linear ``m``;
+* ``<m>.weight_scale``  ``[N, 1]``: per-output-channel *dequantization* scales (fp32 here;
+  bf16/fp16 are accepted on load and widened exactly);
+* no ``<m>.input_scale``: activations are quantized dynamically, per token;
+* every other tensor (biases, embeddings, norms, layers left unquantized) as it is.
+
+The safetensors header metadata holds ``format: pt`` and ``quantization_config``: the JSON that
+compressed-tensors writes into ``config.json`` (``quant_method: compressed-tensors``, format
+``float-quantized``, weights ``channel``/static, input activations ``token``/dynamic, and the
+``ignore`` list). Files are written atomically: a temporary file in the same directory, fsync,
+then ``os.replace``, so a crash never leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .formats import E4M3FN
+from .nn import Fp8Linear
+from .quant import Quantized
+from .schemes import FP8_DYNAMIC, Granularity, Recipe
+
+__all__ = ["save_fp8_dynamic", "load_fp8_dynamic", "compressed_tensors_config", "CheckpointError"]
+
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, mis-shaped or wrongly typed (the message names it)."""
+
+
+def compressed_tensors_config(ignore: list[str]) -> dict:
+    """The ``quantization_config`` compressed-tensors writes for the FP8_DYNAMIC preset.
+
+    Examples
+    --------
+    >>> from fp8ref.checkpoint import compressed_tensors_config
+    >>> compressed_tensors_config(["lm_head"])["config_groups"]["group_0"]["weights"]["strategy"]
+    'channel'
+    """
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False,
+                            "symmetric": True, "observer": "minmax"},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                      "symmetric": True, "observer": None},
+                "output_activations": None,
+            }
+        },
+        "ignore": sorted(ignore),
+    }
+
+
+def _check_layout(name: str, recipe: Recipe) -> None:
+    w, a = recipe.weight, recipe.activation
+    ok = (w.format == E4M3FN and w.granularity is Granularity.ROW and w.qmax == E4M3FN.max
+          and a.format == E4M3FN and a.granularity is Granularity.ROW and a.dynamic)
+    if not ok:
+        raise ValueError(f"layer {name!r} uses recipe {recipe.short_str()}; the FP8_DYNAMIC layout holds "
+                         "e4m3fn per-channel weights with dynamic per-token e4m3fn activations")
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def save_fp8_dynamic(model: nn.Module, path: str | os.PathLike) -> dict:
+    """Save a model quantized with ``Fp8Linear`` layers in the FP8_DYNAMIC layout.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Typically after ``fp8ref.quantize_model``; its ``nn.Linear`` layers that were not
+        quantized go to the ``ignore`` list and are saved as they are.
+    path : str or PathLike
+        The ``.safetensors`` file (written atomically).
+
+    Returns
+    -------
+    dict
+        The ``quantization_config`` (also stored in the file's metadata).
+
+    Examples
+    --------
+    >>> import torch, fp8ref, tempfile, os
+    >>> m = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    >>> _ = fp8ref.quantize_model(m, backend="reference")
+    >>> p = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> fp8ref.save_fp8_dynamic(m, p)["format"]
+    'float-quantized'
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_fp8_dynamic expects an nn.Module, got {type(model).__name__}")
+    ignore = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Fp8Linear):
+            _check_layout(name, mod.recipe)
+        elif isinstance(mod, nn.Linear):
+            ignore.append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for k, v in model.state_dict().items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"state_dict entry {k!r} is a {type(v).__name__}, not a tensor: safetensors "
+                            "stores tensors only")
+        v = v.detach().to("cpu").contiguous()
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if ptr in seen:  # tied weights: safetensors refuses shared storage, so store a copy
+            v = v.clone()
+        seen.add((v.untyped_storage().data_ptr(), v.storage_offset()))
+        tensors[k] = v
+    cfg = compressed_tensors_config(ignore)
+    from . import __version__
+
+    _atomic_save(tensors, Path(path), {"format": "pt", "quantization_config": json.dumps(cfg),
+                                       "producer": f"fp8ref {__version__}"})
+    return cfg
+
+
+def _check_config(meta: dict[str, str] | None, path) -> None:
+    if not meta or "quantization_config" not in meta:
+        return
+    try:
+        cfg = json.loads(meta["quantization_config"])
+        groups = cfg.get("config_groups", {})
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: unreadable quantization_config metadata: {exc}") from None
+    for gname, g in groups.items():
+        w, a = g.get("weights") or {}, g.get("input_activations") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") != "channel":
+            raise CheckpointError(f"{path}: config group {gname!r} has weights {w}; FP8_DYNAMIC needs 8-bit float "
+                                  "channel-wise weights")
+        if a and (a.get("strategy") != "token" or not a.get("dynamic")):
+            raise CheckpointError(f"{path}: config group {gname!r} has input activations {a}; fp8ref loads "
+                                  "dynamic per-token activations only")
+
+
+def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str = "auto",
+                     precision: str = "standard", strict: bool = True) -> list[str]:
+    """Load an FP8_DYNAMIC checkpoint into ``model``, in place.
+
+    Every ``nn.Linear`` (or ``Fp8Linear``) ``m`` whose ``<m>.weight`` is F8_E4M3 in the file
+    becomes an ``Fp8Linear`` holding those codes and ``<m>.weight_scale``; every other tensor is
+    loaded as usual. ``model`` is the unquantized architecture (e.g. built from its config) or
+    an already quantized one.
+
+    Parameters
+    ----------
+    model : nn.Module
+    path : str or PathLike
+    backend, precision : str
+        For the new ``Fp8Linear`` layers.
+    strict : bool
+        Raise on tensors of the model missing from the file, or of the file unused by the model.
+
+    Returns
+    -------
+    list of str
+        Names of the layers loaded as ``Fp8Linear``.
+
+    Raises
+    ------
+    CheckpointError
+        Naming the tensor: an FP8 weight without ``weight_scale`` (or the reverse), a scale of the
+        wrong shape (not ``[N, 1]``), dtype (not fp32/bf16/fp16) or value (non-finite or <= 0), a
+        weight of the wrong shape or dtype, a static ``input_scale``.
+
+    Examples
+    --------
+    >>> import torch, fp8ref, tempfile, os
+    >>> m = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    >>> _ = fp8ref.quantize_model(torch.nn.Sequential(m), backend="reference")
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    >>> _ = fp8ref.save_fp8_dynamic(m, p)
+    >>> fp8ref.load_fp8_dynamic(torch.nn.Sequential(torch.nn.Linear(32, 16)), p)
+    ['0']
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    loaded: list[str] = []
+    consumed: set[str] = set()
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        _check_config(f.metadata(), path)
+        keys = set(f.keys())
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))]
+        for name, mod in layers:
+            p = f"{name}." if name else ""
+            wk, sk, ik, bk = p + "weight", p + "weight_scale", p + "input_scale", p + "bias"
+            w_is_fp8 = wk in keys and f.get_slice(wk).get_dtype() == "F8_E4M3"
+            if not w_is_fp8 and sk not in keys:
+                if isinstance(mod, Fp8Linear) and wk in keys:
+                    raise CheckpointError(f"{wk} is {f.get_slice(wk).get_dtype()}, expected F8_E4M3 for the "
+                                          f"quantized layer {name!r}")
+                continue
+            if wk not in keys:
+                raise CheckpointError(f"{sk} is present but the weight {wk} is missing")
+            w = f.get_tensor(wk)
+            if w.dtype != torch.float8_e4m3fn:
+                raise CheckpointError(f"{wk} has dtype {w.dtype} but {sk} is present: an FP8_DYNAMIC weight must "
+                                      "be F8_E4M3 (torch.float8_e4m3fn)")
+            N, K = mod.out_features, mod.in_features
+            if tuple(w.shape) != (N, K):
+                raise CheckpointError(f"{wk} has shape {tuple(w.shape)}, layer {name!r} needs [{N}, {K}]")
+            if sk not in keys:
+                raise CheckpointError(f"{wk} is F8_E4M3 but its scale {sk} is missing")
+            s = f.get_tensor(sk)
+            if s.dtype not in _SCALE_DTYPES:
+                raise CheckpointError(f"{sk} has dtype {s.dtype}; expected one of "
+                                      f"{[str(d) for d in _SCALE_DTYPES]}")
+            if tuple(s.shape) != (N, 1):
+                raise CheckpointError(f"{sk} has shape {tuple(s.shape)}, expected [{N}, 1] (one scale per "
+                                      "output channel)")
+            s = s.to(torch.float32)  # bf16 and fp16 values are exact in fp32
+            if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+                bad = int((~torch.isfinite(s) | (s <= 0)).nonzero()[0, 0])
+                raise CheckpointError(f"{sk} row {bad} holds {float(s[bad, 0])}: scales must be finite and > 0")
+            if ik in keys:
+                raise CheckpointError(f"{ik} is present: static activation scales are not FP8_DYNAMIC "
+                                      "(fp8ref.linear quantizes activations per token, dynamically)")
+            bias = None
+            if mod.bias is not None:
+                if bk not in keys:
+                    if strict:
+                        raise CheckpointError(f"layer {name!r} has a bias but {bk} is missing")
+                    bias = mod.bias.detach()
+                else:
+                    bias = f.get_tensor(bk).to(mod.bias.dtype)
+                    consumed.add(bk)
+            elif bk in keys and strict:
+                raise CheckpointError(f"{bk} is in the checkpoint but layer {name!r} has no bias")
+            consumed.update((wk, sk))
+            device = mod.weight.device
+            recipe = mod.recipe if isinstance(mod, Fp8Linear) else FP8_DYNAMIC
+            _check_layout(name, recipe)
+            qw = Quantized(w.to(device), s.to(device), recipe.weight)
+            new = Fp8Linear.from_quantized(qw, None if bias is None else bias.to(device), recipe=recipe,
+                                           backend=mod.backend if isinstance(mod, Fp8Linear) else backend,
+                                           precision=mod.precision if isinstance(mod, Fp8Linear) else precision)
+            if name:
+                parent_name, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            else:
+                raise ValueError("load_fp8_dynamic needs a model containing linear layers, not a lone layer")
+            loaded.append(name)
+        rest = {k: f.get_tensor(k) for k in keys - consumed}
+    result = model.load_state_dict(rest, strict=False)
+    if strict:
+        missing = [k for k in result.missing_keys if k not in consumed]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing}, "
+                                  f"unexpected {list(result.unexpected_keys)}")
+    return loaded

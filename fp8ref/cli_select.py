@@ -1,0 +1,65 @@
+"""Subcommands about backends and selection: ``backends`` (what is registered, and why a backend
+cannot run here) and ``select`` (the table behind the selector's decision for one shape)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from . import select as sel
+from .registry import Case, backends
+from .schemes import RECIPES, get_recipe
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("backends", help="list registered backends: availability, reason, precision class")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_backends)
+    p = sub.add_parser("select", help="probe and time the backends for one shape; print the decision table")
+    p.add_argument("--M", type=int, required=True, help="rows of activations (reduced to its power-of-two bucket)")
+    p.add_argument("--N", type=int, required=True, help="output features")
+    p.add_argument("--K", type=int, required=True, help="input features")
+    p.add_argument("--recipe", default="w8a8_fp8", choices=sorted(RECIPES))
+    p.add_argument("--precision", default=sel.DEFAULT_PRECISION, choices=["exact", "strict", "standard", "fast"])
+    p.add_argument("--x-dtype", default="bf16", choices=sorted(_DTYPES))
+    p.add_argument("--out-dtype", default=None, choices=sorted(_DTYPES), help="default: --x-dtype")
+    p.add_argument("--bias", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--candidates", default=None, help="comma-separated backend names (the reference is added)")
+    p.add_argument("--refresh", action="store_true", help="ignore the caches and probe again")
+    p.add_argument("--json", action="store_true", help="print the decision as JSON")
+    p.set_defaults(func=_select)
+
+
+def _backends(args: argparse.Namespace) -> int:
+    infos = backends()
+    if args.json:
+        print(json.dumps([i.__dict__ for i in infos], indent=1))
+        return 0
+    print(f"{'backend':18} {'class':9} {'accumulation':12} {'roundings':>9}  status")
+    for i in infos:
+        status = "available" if i.available else f"unavailable: {i.reason}"
+        print(f"{i.name:18} {i.precision:9} {i.accumulation:12} {i.output_roundings:>9}  {status}")
+    return 0
+
+
+def _select(args: argparse.Namespace) -> int:
+    x_dtype = _DTYPES[args.x_dtype]
+    case = Case(M=args.M, N=args.N, K=args.K, recipe=get_recipe(args.recipe), x_dtype=x_dtype,
+                out_dtype=_DTYPES[args.out_dtype] if args.out_dtype else x_dtype, device=args.device,
+                has_bias=args.bias)
+    cands = [c.strip() for c in args.candidates.split(",")] if args.candidates else None
+    d = sel.select(case, args.precision, candidates=cands, refresh=args.refresh)
+    if args.json:
+        out = d.to_json()
+        out["source"] = d.source
+        out["key"] = d.key
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        print(d.table())
+    return 0

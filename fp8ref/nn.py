@@ -1,0 +1,231 @@
+"""Online FP8 quantization of models: ``Fp8Linear`` and ``quantize_model``.
+
+``Fp8Linear`` stores the weight once as FP8 codes plus dequantization scales (buffers ``weight``
+and ``weight_scale``, the compressed-tensors names), keeps the bias as it was, and runs
+``fp8ref.linear`` in ``forward`` (backend "auto" by default: the fastest compliant backend).
+``quantize_model`` swaps every ``nn.Linear`` of a model for one, in place.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .linear import linear, tensor_version
+from .quant import Quantized, quantize
+from .schemes import W8A8_FP8, Recipe, get_recipe
+
+__all__ = ["Fp8Linear", "QuantizeSummary", "quantize_model"]
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight is stored in FP8 and whose activations are quantized on the fly.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool
+    recipe : Recipe or str
+        Default ``W8A8_FP8`` (per-channel weights, dynamic per-token activations).
+    backend : str
+        ``"auto"`` or a backend name (see ``fp8ref.linear``).
+    precision : str
+        Required precision class, default ``"standard"``.
+    out_dtype : torch.dtype, optional
+        Output dtype (default: the input's).
+    dtype : torch.dtype
+        dtype of the bias.
+
+    Attributes
+    ----------
+    weight : torch.Tensor (buffer)
+        FP8 codes ``[out_features, in_features]``.
+    weight_scale : torch.Tensor (buffer)
+        Dequantization scales, ``recipe.weight.scale_shape(out, in)`` (``[N, 1]`` per channel).
+    bias : nn.Parameter or None
+
+    Examples
+    --------
+    >>> import torch, fp8ref
+    >>> lin = torch.nn.Linear(64, 32)
+    >>> q = fp8ref.Fp8Linear.from_linear(lin, backend="reference")
+    >>> q(torch.randn(4, 64)).shape
+    torch.Size([4, 32])
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
+                 out_dtype: torch.dtype | None = None, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.recipe = get_recipe(recipe)
+        self.backend, self.precision, self.out_dtype = backend, precision, out_dtype
+        w = self.recipe.weight
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=w.format.torch_dtype,
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.ones(w.scale_shape(out_features, in_features),
+                                                        dtype=w.scale_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
+        self._qw: Quantized | None = None
+        self._qw_key: tuple | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = W8A8_FP8, backend: str = "auto",
+                    precision: str = "standard", out_dtype: torch.dtype | None = None) -> Fp8Linear:
+        """Quantize an ``nn.Linear``'s weight (reference quantizer, once) into a new ``Fp8Linear``.
+
+        Examples
+        --------
+        >>> import torch, fp8ref
+        >>> q = fp8ref.Fp8Linear.from_linear(torch.nn.Linear(16, 8, dtype=torch.float16))
+        >>> q.weight.dtype, tuple(q.weight_scale.shape)
+        (torch.float8_e4m3fn, (8, 1))
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        recipe = get_recipe(recipe)
+        w = linear.weight.detach()
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
+                  backend=backend, precision=precision, out_dtype=out_dtype, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            q = quantize(w, recipe.weight)
+            mod.weight.copy_(q.data)
+            mod.weight_scale.copy_(q.scale)
+            if linear.bias is not None:
+                mod.bias.copy_(linear.bias.detach())
+        return mod
+
+    @classmethod
+    def from_quantized(cls, qw: Quantized, bias: torch.Tensor | None = None, *, recipe: Recipe | str = W8A8_FP8,
+                       backend: str = "auto", precision: str = "standard",
+                       out_dtype: torch.dtype | None = None) -> Fp8Linear:
+        """Wrap an already quantized weight (e.g. read from a checkpoint)."""
+        recipe = get_recipe(recipe)
+        if qw.scheme != recipe.weight:
+            raise ValueError(f"weight quantized as {qw.scheme.short_str()}, recipe {recipe.name} expects "
+                             f"{recipe.weight.short_str()}")
+        N, K = qw.data.shape
+        dtype = bias.dtype if bias is not None else torch.float32
+        mod = cls(K, N, bias is not None, recipe=recipe, backend=backend, precision=precision,
+                  out_dtype=out_dtype, device=qw.data.device, dtype=dtype)
+        with torch.no_grad():
+            mod.weight.copy_(qw.data)
+            mod.weight_scale.copy_(qw.scale)
+            if bias is not None:
+                mod.bias.copy_(bias)
+        return mod
+
+    def quantized_weight(self) -> Quantized:
+        """The weight as a ``Quantized`` (cached; rebuilt when the buffers change or move)."""
+        key = (self.weight.data_ptr(), tensor_version(self.weight), self.weight_scale.data_ptr(),
+               tensor_version(self.weight_scale))
+        if self._qw is None or key != self._qw_key:
+            self._qw = Quantized(self.weight, self.weight_scale, self.recipe.weight)
+            self._qw_key = key
+        return self._qw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.quantized_weight(), self.bias, recipe=self.recipe, backend=self.backend,
+                      precision=self.precision, out_dtype=self.out_dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.quantized_weight().dequantize(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe={self.recipe.name}, backend={self.backend!r}, precision={self.precision!r}")
+
+
+@dataclass
+class QuantizeSummary:
+    """What ``quantize_model`` did."""
+
+    layers: int  #: nn.Linear modules replaced
+    parameters: int  #: weight elements quantized
+    bytes_before: int  #: bytes of the model's parameters and buffers before
+    bytes_after: int  #: and after
+    quantized: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        ratio = self.bytes_after / self.bytes_before if self.bytes_before else float("nan")
+        return (f"quantized {self.layers} linear layers ({self.parameters:,} weights), skipped "
+                f"{len(self.skipped)}; model {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB "
+                f"({ratio:.2f}x)")
+
+
+def _model_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    for pat in skip:
+        if name == pat or name.endswith("." + pat) or fnmatch.fnmatchcase(name, pat):
+            return True
+    return False
+
+
+def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tuple[str, ...] | list[str] = ("lm_head",),
+                   backend: str = "auto", precision: str = "standard") -> QuantizeSummary:
+    """Swap every ``nn.Linear`` of ``model`` for an ``Fp8Linear``, in place (weights quantized once).
+
+    Parameters
+    ----------
+    model : nn.Module
+    recipe : Recipe or str
+        Default ``W8A8_FP8``.
+    skip : sequence of str
+        Module names left as they are: an exact name, a dotted suffix (``"lm_head"`` matches
+        ``"model.lm_head"``) or an ``fnmatch`` pattern (``"*.gate"``).
+    backend, precision : str
+        Passed to every ``Fp8Linear``.
+
+    Returns
+    -------
+    QuantizeSummary
+        Layers replaced, weights quantized, bytes before and after, names.
+
+    Examples
+    --------
+    >>> import torch, fp8ref
+    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    >>> s = fp8ref.quantize_model(m)
+    >>> s.layers, type(m[0]).__name__
+    (2, 'Fp8Linear')
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_model expects an nn.Module, got {type(model).__name__}")
+    if isinstance(skip, str):
+        skip = (skip,)
+    skip = tuple(skip)
+    recipe = get_recipe(recipe)
+    before = _model_bytes(model)
+    summary = QuantizeSummary(0, 0, before, before)
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear or
+               (isinstance(mod, nn.Linear) and not isinstance(mod, Fp8Linear))]
+    for name, mod in targets:
+        if not name:
+            raise ValueError("quantize_model needs a model that contains nn.Linear layers; for a lone "
+                             "nn.Linear use Fp8Linear.from_linear")
+        if _skipped(name, skip):
+            summary.skipped.append(name)
+            continue
+        new = Fp8Linear.from_linear(mod, recipe=recipe, backend=backend, precision=precision)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+        summary.layers += 1
+        summary.parameters += mod.weight.numel()
+        summary.quantized.append(name)
+    summary.bytes_after = _model_bytes(model)
+    return summary

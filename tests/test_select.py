@@ -1,0 +1,329 @@
+"""The compliance-gated selector: probe, precision classes, caches, forcing, run-time fallback."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import fp8ref
+from fp8ref import select as sel
+from fp8ref.registry import Backend, Case
+
+L = sys.modules["fp8ref.linear"]  # fp8ref.linear is the function; the module lives here
+CASE = Case(M=8, N=48, K=64, recipe=fp8ref.W8A8_FP8)
+
+
+class Good(Backend):
+    """Correct: reference quantizer, fp32 dequantize-then-matmul (strict class), optional delay."""
+
+    accumulation = fp8ref.Accumulation.FP32
+    output_roundings = 1
+
+    def __init__(self, name, delay=0.0, output_roundings=1):
+        self.name, self.delay, self.output_roundings = name, delay, output_roundings
+        self.calls = {"quantize": 0, "scaled_mm": 0, "prepare_weight": 0}
+        self.broken = False
+
+    def quantize(self, x, scheme):
+        self.calls["quantize"] += 1
+        return fp8ref.quantize(x, scheme)
+
+    def prepare_weight(self, w):
+        self.calls["prepare_weight"] += 1
+        return w
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        self.calls["scaled_mm"] += 1
+        if self.broken:
+            raise RuntimeError("simulated kernel launch failure")
+        if self.delay:
+            time.sleep(self.delay)
+        y = a.dequantize(torch.float32) @ b.dequantize(torch.float32).T
+        if self.output_roundings == 2:
+            y = y.to(out_dtype).to(torch.float32)
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(out_dtype)
+
+
+class ScaleTwice(Good):
+    """sglang PR#28333: the activation scale applied twice. Instant, and wrong."""
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        y = super().scaled_mm(a, b, bias, torch.float32)
+        return (y * a.scale.to(torch.float32)).to(out_dtype)
+
+
+class NanOnZeroRow(Good):
+    """pytorch/ao#4713: an all-zero row gets scale 0, so 0/0 = NaN codes."""
+
+    def quantize(self, x, scheme):
+        q = fp8ref.quantize(x, scheme)
+        amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
+        s = amax / scheme.qmax
+        data = (x.to(torch.float32) / s).clamp(-scheme.qmax, scheme.qmax).to(scheme.format.torch_dtype)
+        return fp8ref.Quantized(data, s, q.scheme)
+
+
+class Unavailable(Good):
+    def available(self):
+        return "needs a device this machine lacks"
+
+
+@pytest.fixture()
+def fakes(tmp_path, monkeypatch):
+    """Register fake backends in an isolated cache dir; remove them afterwards."""
+    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
+    sel.clear_cache()
+    made = {
+        "good": Good("t-good"),
+        "slow": Good("t-slow", delay=0.002),
+        "twice": ScaleTwice("t-twice"),
+        "nan": NanOnZeroRow("t-nan"),
+        "std": Good("t-std", output_roundings=2),
+        "off": Unavailable("t-off"),
+    }
+    for b in made.values():
+        fp8ref.register_backend(b, replace=True)
+    yield made
+    for b in made.values():
+        fp8ref.unregister_backend(b.name)
+    sel.clear_cache()
+    L.clear_weight_cache()
+
+
+def _row(d, name):
+    return next(r for r in d.rows if r.backend == name)
+
+
+def test_m_bucket():
+    assert [sel.m_bucket(m) for m in (0, 1, 2, 3, 4, 5, 16, 17, 4096)] == [1, 1, 2, 4, 4, 8, 16, 32, 4096]
+    with pytest.raises(ValueError):
+        sel.m_bucket(-1)
+
+
+def test_reference_probe_compliant_on_every_recipe():
+    for recipe in fp8ref.RECIPES.values():
+        for has_bias in (False, True):
+            c = Case(M=3, N=40, K=160, recipe=recipe, has_bias=has_bias)
+            res = sel.probe(fp8ref.get_backend("reference"), c)
+            assert res.compliant, (recipe.name, res)
+
+
+def test_key_holds_what_changes_the_answer():
+    ref = [fp8ref.get_backend("reference")]
+    k = sel.selection_key(CASE, "standard", ref)
+    for field in ("torch=", "triton=", "fp8ref=", "x=bfloat16", "out=bfloat16", "N=48", "K=64", "Mb=8",
+                  "precision=standard", fp8ref.W8A8_FP8.short_str(), "cpu:"):
+        assert field in k
+    assert k == sel.selection_key(Case(M=5, N=48, K=64, recipe=fp8ref.W8A8_FP8), "standard", ref)
+    assert k != sel.selection_key(Case(M=9, N=48, K=64, recipe=fp8ref.W8A8_FP8), "standard", ref)
+    assert k != sel.selection_key(CASE, "strict", ref)
+    assert k != sel.selection_key(Case(M=8, N=48, K=64, recipe=fp8ref.FP8_PER_TENSOR), "standard", ref)
+
+
+def test_non_compliant_never_chosen_however_fast(fakes):
+    d = sel.select(CASE, candidates=["t-twice", "t-slow", "t-nan"])
+    assert d.chosen == "t-slow"
+    twice, nan = _row(d, "t-twice"), _row(d, "t-nan")
+    assert twice.compliant is False and twice.worst_ratio > 1 and "scaled_mm" in twice.detail
+    assert nan.compliant is False and "quantize" in nan.detail
+    assert "t-twice" not in d.ranking and "t-nan" not in d.ranking
+    # alone with the reference, the broken backend still loses to the (untimed) spec
+    assert sel.select(CASE, candidates=["t-twice"]).chosen == "reference"
+
+
+def test_precision_requirement_excludes_standard_backend(fakes):
+    d = sel.select(CASE, "strict", candidates=["t-std"])
+    row = _row(d, "t-std")
+    assert row.precision == "standard" and not row.admitted and row.compliant is None
+    assert d.chosen == "reference"
+    d2 = sel.select(CASE, "standard", candidates=["t-std"])
+    assert d2.chosen == "t-std" and _row(d2, "t-std").compliant
+    with pytest.raises(fp8ref.BackendUnavailableError, match="outside the required precision"):
+        sel.resolve(CASE, "t-std", "strict")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        sel.select(CASE, "sloppy")
+
+
+def test_unavailable_listed_with_reason_and_never_chosen(fakes):
+    d = sel.select(CASE, candidates=["t-off", "t-good"])
+    assert _row(d, "t-off").available == "needs a device this machine lacks"
+    assert d.chosen == "t-good"
+    assert "unavailable: needs a device" in d.table()
+
+
+def test_explicit_backend_that_cannot_run_raises(fakes, monkeypatch):
+    with pytest.raises(fp8ref.BackendUnavailableError, match="not available here: needs a device"):
+        sel.resolve(CASE, "t-off")
+    with pytest.raises(fp8ref.BackendUnavailableError, match="no backend named"):
+        sel.resolve(CASE, "no-such-backend")
+    x, w = torch.randn(4, 64), torch.randn(48, 64)
+    with pytest.raises(fp8ref.BackendUnavailableError):
+        fp8ref.linear(x, w, backend="t-off")
+    monkeypatch.setenv(sel.ENV_BACKEND, "t-off")
+    with pytest.raises(fp8ref.BackendUnavailableError, match="FP8REF_BACKEND='t-off'"):
+        fp8ref.linear(x, w)
+
+
+def test_env_forces_backend(fakes, monkeypatch):
+    x, w = torch.randn(4, 64), torch.randn(48, 64)
+    monkeypatch.setenv(sel.ENV_BACKEND, "t-std")
+    b, d = sel.resolve(CASE)
+    assert b.name == "t-std" and d is None
+    n = fakes["std"].calls["scaled_mm"]
+    fp8ref.linear(x, w)
+    assert fakes["std"].calls["scaled_mm"] == n + 1
+    # an explicit argument wins over the environment
+    assert sel.resolve(CASE, "reference")[0].name == "reference"
+
+
+def test_runtime_failure_warns_once_and_falls_back(fakes, monkeypatch):
+    monkeypatch.setenv(sel.ENV_CANDIDATES, "t-good,t-slow")
+    x, w = torch.randn(4, 64), torch.randn(48, 64)
+    y0 = fp8ref.linear(x, w)
+    d = sel.select(Case(M=4, N=48, K=64, recipe=fp8ref.W8A8_FP8, x_dtype=torch.float32,
+                        out_dtype=torch.float32))
+    first, second = d.ranking[0], d.ranking[1]
+    broken = fakes["good"] if first == "t-good" else fakes["slow"]
+    broken.broken = True
+    with pytest.warns(RuntimeWarning, match=f"{first}.*simulated kernel launch failure"):
+        y1 = fp8ref.linear(x, w)
+    assert torch.equal(y1, y0)  # both fakes run the same fp32 pipeline
+    n = broken.calls["scaled_mm"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8ref.linear(x, w)  # no second warning, and the failed backend is not called again
+    assert broken.calls["scaled_mm"] == n
+    assert second in {"t-good", "t-slow", "reference"}
+    # an explicitly named backend that raises propagates: no silent fallback
+    with pytest.raises(RuntimeError, match="simulated"):
+        fp8ref.linear(x, w, backend=broken.name)
+
+
+def test_bad_input_is_not_blamed_on_the_backend(fakes, monkeypatch):
+    monkeypatch.setenv(sel.ENV_CANDIDATES, "t-good")
+    w = torch.randn(48, 64)
+    fp8ref.linear(torch.randn(2, 64), w)
+    x = torch.randn(2, 64)
+    x[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        fp8ref.linear(x, w)
+    assert not sel._FAILED
+
+
+def test_memory_then_disk_then_probe(fakes):
+    d = sel.select(CASE, candidates=["t-good"])
+    assert d.source == "probe" and sel.cache_file().is_file()
+    assert sel.select(CASE, candidates=["t-good"]).source == "memory"
+    probes = fakes["good"].calls["quantize"]
+    sel.clear_cache()  # a fresh in-memory cache, as after a restart
+    d2 = sel.select(CASE, candidates=["t-good"])
+    assert d2.source == "disk" and d2.chosen == d.chosen and d2.ranking == d.ranking
+    assert fakes["good"].calls["quantize"] == probes  # no probe ran
+    assert sel.select(CASE, candidates=["t-good"], refresh=True).source == "probe"
+
+
+def test_cache_survives_process_restart(tmp_path):
+    env = dict(os.environ, **{sel.ENV_CACHE_DIR: str(tmp_path)})
+    env.pop(sel.ENV_BACKEND, None)
+    code = ("import fp8ref; from fp8ref import select as s; "
+            "d = s.select(fp8ref.Case(M=4, N=32, K=64, recipe=fp8ref.W8A8_FP8), candidates=['reference']); "
+            "print(d.source, d.chosen)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fp8ref.__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    sel_here = sel.select  # the parent writes the cache, the child (a new process) reads it
+    old = os.environ.get(sel.ENV_CACHE_DIR)
+    os.environ[sel.ENV_CACHE_DIR] = str(tmp_path)
+    try:
+        sel.clear_cache()
+        assert sel_here(Case(M=4, N=32, K=64, recipe=fp8ref.W8A8_FP8), candidates=["reference"]).source == "probe"
+    finally:
+        if old is None:
+            os.environ.pop(sel.ENV_CACHE_DIR)
+        else:
+            os.environ[sel.ENV_CACHE_DIR] = old
+        sel.clear_cache()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["disk", "reference"]
+
+
+def test_corrupt_cache_ignored_and_rebuilt(fakes):
+    path = sel.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"schema": 1, "entries": {"trunc')
+    with pytest.warns(UserWarning, match="corrupt selection cache"):
+        d = sel.select(CASE, candidates=["t-good"])
+    assert d.source == "probe"
+    data = json.loads(path.read_text())
+    assert d.key in data["entries"] and data["schema"] == sel.CACHE_SCHEMA
+
+
+def test_stale_cache_ignored_and_rebuilt(fakes):
+    path = sel.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema": sel.CACHE_SCHEMA + 1, "fp8ref": "0.0.0", "entries": {"x": {}}}))
+    with pytest.warns(UserWarning, match="stale selection cache"):
+        d = sel.select(CASE, candidates=["t-good"])
+    data = json.loads(path.read_text())
+    assert data["schema"] == sel.CACHE_SCHEMA and list(data["entries"]) == [d.key]
+
+
+def _writer(cache_dir: str, tag: str, n: int) -> None:
+    os.environ[sel.ENV_CACHE_DIR] = cache_dir
+    for i in range(n):
+        d = sel.Decision(key=f"{tag}-{i}", case="c", precision="standard", chosen="reference",
+                         ranking=["reference"], rows=[sel.Row("reference", "exact")])
+        sel._write_disk(d.key, d)
+
+
+def test_concurrent_writers_leave_valid_json(tmp_path):
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), tag, 25)) for tag in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    data = json.loads((tmp_path / sel.cache_file().name).read_text())
+    assert sorted(data["entries"]) == sorted(f"{t}-{i}" for t in "ab" for i in range(25))
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_explain_table(fakes, capsys):
+    x, w = torch.randn(5, 64), torch.randn(48, 64)
+    os.environ[sel.ENV_CANDIDATES] = "t-good,t-twice,t-off"
+    try:
+        d = fp8ref.explain(x, w, print_table=True)
+    finally:
+        del os.environ[sel.ENV_CANDIDATES]
+    out = capsys.readouterr().out
+    for name in ("t-good", "t-twice", "t-off", "reference", "NON-COMPLIANT", "<==", "unavailable"):
+        assert name in out
+    assert d.chosen == "t-good"
+
+
+def test_cli_select_and_backends(fakes, capsys):
+    from fp8ref.cli import main
+
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "t-off" in out and "unavailable: needs a device this machine lacks" in out and "reference" in out
+    assert main(["select", "--M", "4", "--N", "48", "--K", "64", "--candidates", "t-good,t-twice", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["chosen"] == "t-good" and d["source"] == "probe"
+    assert {r["backend"]: r["compliant"] for r in d["rows"]} == {"t-good": True, "t-twice": False, "reference": True}
+    assert main(["select", "--M", "4", "--N", "48", "--K", "64", "--candidates", "t-good,t-twice"]) == 0
+    out = capsys.readouterr().out
+    assert "source: memory" in out and "<==" in out
