@@ -440,7 +440,8 @@ class _ProbeSet:
         if y_ref is None:
             y_ref = scaled_mm(qa, self.qw, self.bias, out_dtype=torch.float64)
         gb = bounds.gemm_error_bound(qa, self.qw, self.bias, out_dtype=self.case.out_dtype,
-                                     accumulation=backend.accumulation, output_roundings=backend.output_roundings)
+                                     accumulation=backend.accumulation, output_roundings=backend.output_roundings,
+                                     y_ref=y_ref)
         if i is not None:
             self._y_ref[i], self._bounds[key] = y_ref, gb
         return y_ref, gb
