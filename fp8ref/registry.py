@@ -29,7 +29,9 @@ __all__ = ["Backend", "Case", "BackendInfo", "register_backend", "unregister_bac
 ENTRY_POINT_GROUP = "fp8ref.backends"
 
 #: Modules of the backends shipped with fp8ref, imported on first use of the registry.
-_BUILTIN_MODULES = ("fp8ref.kernels.reference",)
+_BUILTIN_MODULES = ("fp8ref.kernels.reference", "fp8ref.kernels.torch_mm", "fp8ref.kernels.cpu",
+                    "fp8ref.kernels.triton_kernels", "fp8ref.kernels.sgl",
+                    "fp8ref.kernels.cpu_fp8")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,179 @@
+"""Helpers shared by the shipped backends: a fast spec-exact quantizer, prepared weights, checks.
+
+Nothing here is part of the spec; every function is checked against ``fp8ref.quant`` /
+``fp8ref.gemm`` by ``tests/test_kernels.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import quant
+from ..gemm import OUT_DTYPES
+from ..quant import Quantized
+from ..schemes import Granularity, QuantScheme
+
+__all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_mm_args", "unwrap", "pad_last",
+           "pad_weight", "zeros", "bias_fp32"]
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedWeight(Quantized):
+    """A quantized weight plus the per-backend copies ``prepare_weight`` made once at load time.
+
+    It *is* a ``Quantized`` (same data, scale and scheme), so every spec function and every other
+    backend accepts it; the backend named ``backend`` finds its cached tensors in ``extra``.
+    """
+
+    backend: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def wrap(cls, q: Quantized, backend: str, **extra: Any) -> PreparedWeight:
+        return cls(q.data, q.scale, q.scheme, q.n_saturated, backend, dict(extra))
+
+
+def unwrap(b: Quantized, backend: str) -> tuple[Quantized, dict[str, Any]]:
+    """``(quantized, cached extras)``; the extras are empty unless ``b`` was prepared by ``backend``."""
+    if isinstance(b, PreparedWeight) and b.backend == backend:
+        return b, b.extra
+    return b, {}
+
+
+def check_mm_args(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+    """The argument checks of the reference ``scaled_mm`` (same exceptions, same messages)."""
+    if not isinstance(a, Quantized) or not isinstance(b, Quantized):
+        raise TypeError("scaled_mm takes two fp8ref.Quantized operands: a [M, K] activations, b [N, K] weights")
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"K mismatch: a is {tuple(a.data.shape)} [M, K] but b is {tuple(b.data.shape)} [N, K]")
+    if a.data.device != b.data.device:
+        raise ValueError(f"a is on {a.data.device} but b is on {b.data.device}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError("bias must be a float tensor")
+        if tuple(bias.shape) != (b.data.shape[0],):
+            raise ValueError(f"bias must have shape [N] = ({b.data.shape[0]},), got {tuple(bias.shape)}")
+
+
+def bias_fp32(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The bias as fp32 on ``device`` (one rounding for a float64 bias, covered by the fp32 bound)."""
+    if bias is None:
+        return None
+    return bias.to(device=device, dtype=torch.float32)
+
+
+def pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last dim of a 2-D tensor up to a multiple of ``multiple`` (no copy if aligned).
+
+    Zero FP8 codes add exact zeros to every dot product, so padding K (or N, whose extra outputs
+    are sliced off) changes no result.
+    """
+    extra = (-t.shape[-1]) % multiple
+    if not extra:
+        return t
+    out = zeros(*t.shape[:-1], t.shape[-1] + extra, dtype=t.dtype, device=t.device)
+    _bytes(out)[..., : t.shape[-1]] = _bytes(t)
+    return out
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as uint8 views (fill and indexed writes are not implemented for FP8 everywhere)."""
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros`` that also works for FP8 dtypes on every device (all-zero bytes are +0)."""
+    if dtype in _FP8:
+        return torch.zeros(*shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+def pad_weight(data: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``[N, K]`` codes zero-padded to ``[N', K']``, both multiples of ``multiple`` (no copy if aligned)."""
+    N, K = data.shape
+    if N % multiple == 0 and K % multiple == 0:
+        return data
+    out = zeros(N + (-N) % multiple, K + (-K) % multiple, dtype=data.dtype, device=data.device)
+    _bytes(out)[:N, :K] = _bytes(data)
+    return out
+
+
+def _fast_ok(scheme: QuantScheme) -> bool:
+    return scheme.dynamic and scheme.scale_dtype == torch.float32
+
+
+def fast_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
+    """``fp8ref.quantize`` for dynamic schemes with fp32 scales, in fewer passes over ``x``.
+
+    Computes the same expressions as the spec in the same order (amax in fp32 -- exact --,
+    ``s = max(amax, floor) / qmax`` in fp32, ``x / s`` as one IEEE division, clamp, one RNE
+    cast), so the codes and scales are bit-identical to ``fp8ref.quantize``; what it saves is the
+    full fp32 copy of ``x`` and the separate finiteness and saturation passes. A non-finite input
+    still raises ``ValueError``: NaN or Inf in a block makes that block's amax non-finite, which is
+    checked on the (small) amax tensor. Other schemes go to the reference quantizer.
+
+    ``n_saturated`` is 0: with a dynamic fp32 scale s = fl(max(amax, floor)/qmax), |x/s| <=
+    qmax (1 + u32)^2, far below the saturation threshold qmax + ulp(qmax)/2, and pow2 scales only
+    round s up.
+
+    Examples
+    --------
+    >>> import torch, fp8ref
+    >>> from fp8ref.kernels._common import fast_quantize
+    >>> x = torch.randn(4, 32)
+    >>> q = fast_quantize(x, fp8ref.QuantScheme())
+    >>> torch.equal(q.data.view(torch.uint8), fp8ref.quantize(x).data.view(torch.uint8))
+    True
+    """
+    if not _fast_ok(scheme):
+        return quant.quantize(x, scheme)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16,
+                                                                            torch.float16):
+        return quant.quantize(x, scheme)  # the reference raises the right error or handles fp64
+    rows, cols = x.shape
+    if x.numel() == 0 or cols == 0:
+        return quant.quantize(x, scheme)
+    g = scheme.granularity
+    if g is Granularity.ROW:
+        amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
+        expand = lambda s: s  # noqa: E731 - [rows, 1] broadcasts
+    elif g is Granularity.TENSOR:
+        amax = x.abs().amax().to(torch.float32).reshape(1, 1)
+        expand = lambda s: s  # noqa: E731
+    elif g is Granularity.GROUP and cols % scheme.group_size == 0:
+        G = scheme.group_size
+        amax = x.reshape(rows, cols // G, G).abs().amax(dim=2).to(torch.float32)
+        expand = lambda s: s.repeat_interleave(G, dim=1)  # noqa: E731
+    else:
+        return quant.quantize(x, scheme)
+    if not bool(torch.isfinite(amax).all()):
+        quant.check_float_input(x)  # raises with the location of the first bad element
+    s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    if scheme.pow2_scale:
+        m, e = torch.frexp(s)
+        s = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
+    info = torch.finfo(torch.float32)
+    s = torch.clamp(s, min=info.tiny)
+    # bf16/fp16 / fp32 promotes to fp32 (x widened exactly, one IEEE division): the spec's v, in a
+    # single fresh fp32 buffer that the clamp then reuses.
+    v = torch.div(x, expand(s))
+    data = v.clamp_(-scheme.qmax, scheme.qmax).to(scheme.format.torch_dtype)
+    return Quantized(data, s, scheme, 0)
+
+
+def segment_scale(q: Quantized, k0: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The scale of every row of ``q`` at column ``k0``, as a ``[rows]`` vector in ``dtype``."""
+    rows, cols = q.data.shape
+    r, c = q.scheme.block_shape(rows, cols)
+    col = q.scale[:, k0 // c].to(dtype)
+    return col if r == 1 else col.repeat_interleave(r)[:rows]
+

@@ -1,0 +1,319 @@
+"""The ``cpu-bf16`` and ``cpu-fp32`` backends: FP8 W8A8 on a CPU through wide GEMMs of exact values.
+
+Every FP8 value (E4M3FN, E5M2, E4M3FNUZ) is exactly a bfloat16 (at most 4 significant bits, an
+exponent range inside bf16's), so a GEMM over the FP8 *values* held in bf16 or fp32 multiplies the
+exact codes; only the accumulation and the epilogue round.
+
+``cpu-bf16``
+    The weight is stored once (``prepare_weight``) as bf16 holding the exact FP8 values; the
+    activations are quantized to FP8 codes and upcast to bf16; oneDNN's bf16 GEMM accumulates in
+    fp32 but *returns bf16* (CPU torch has no bf16 x bf16 -> fp32 ``mm``), then the scales and the
+    bias are applied in fp32 and the result is rounded to bf16 again: ``Accumulation.FP32``,
+    ``output_roundings=2``. Because the intermediate rounding is to bf16, only a bf16 output is
+    covered by that declaration; fp16/fp32/fp64 outputs are declined (use ``cpu-fp32``).
+``cpu-fp32``
+    The same with fp32 copies and an fp32 GEMM: fp32 accumulator, fp32 epilogue, one rounding to
+    ``out_dtype``: ``Accumulation.FP32``, ``output_roundings=1`` (the strict class). With
+    ``bf16_dot_products = True`` (or ``FP8REF_CPU_BF16_DOT=1``) the GEMM runs with
+    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` for the call: oneDNN may then feed
+    the fp32 operands to bf16 dot-product units (AMX) with an fp32 accumulator, which is exact on
+    these operands since they are bf16 values. Off by default: it is a process-wide switch, so
+    fp32 GEMMs of other threads would see it while the call runs, and on the 2-core EPYC where
+    this was written (avx512_bf16, no AMX) it changed nothing (an fp32 GEMM of non-bf16 inputs
+    came out bit-identical with and without it, shapes 1x1x1 to 1024^3).
+
+Block and group recipes run one GEMM per K-segment on which both scales are constant, summing
+the scaled segment results in fp32 (``fp8ref.gemm.k_segments``).
+
+The activation quantization and the epilogue can be fused with ``torch.compile`` (``compile=True``
+or ``FP8REF_COMPILE=1``): compiled lazily on first use, cached per process, and any compile or
+run failure falls back to the eager code for good (with one warning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..bounds import Accumulation
+from ..gemm import k_segments
+from ..quant import Quantized, check_float_input
+from ..registry import Backend, Case, register_backend
+from ..schemes import Granularity, QuantScheme
+from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, segment_scale, unwrap
+
+__all__ = ["CpuWideBackend", "compile_enabled"]
+
+_precision_lock = threading.Lock()
+
+
+def compile_enabled() -> bool:
+    """Whether ``FP8REF_COMPILE`` asks for the torch.compile'd paths (default: off)."""
+    return os.environ.get("FP8REF_COMPILE", "0").lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def _bf16_dot_products():
+    """Let oneDNN run fp32 GEMMs on bf16 dot-product units (fp32 accumulator) for one call."""
+    mm = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    if mm is None or not hasattr(mm, "fp32_precision"):
+        yield
+        return
+    with _precision_lock:  # a process-wide switch: restore it even if the GEMM raises
+        old = mm.fp32_precision
+        mm.fp32_precision = "bf16"
+        try:
+            yield
+        finally:
+            mm.fp32_precision = old
+
+
+def _row_scale(x: torch.Tensor, qmax: float, floor: float):
+    """Per-row amax (fp32, exact) and the spec's dequantization scale."""
+    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
+    s = torch.clamp(amax, min=floor) / qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    s = torch.clamp(s, min=torch.finfo(torch.float32).tiny)
+    return s, amax
+
+
+def _quant_codes(x: torch.Tensor, qmax: float, floor: float, fp8: torch.dtype):
+    """Per-row quantization by the spec's expressions: FP8 codes, fp32 scale, amax."""
+    s, amax = _row_scale(x, qmax, floor)
+    q = torch.div(x, s).clamp_(-qmax, qmax).to(fp8)  # fp32 quotient (type promotion), clamped in place
+    return q, s, amax
+
+
+def _quant_wide(x: torch.Tensor, qmax: float, floor: float, fp8: torch.dtype, wide: torch.dtype):
+    """The same, returning the FP8 *values* in ``wide`` instead of the codes: what the fused
+    ``linear`` multiplies. Going through fp32 is exact and, compiled, avoids an FP8 store (slow in
+    inductor's CPU code: 26 ms vs 4 ms at 1024 x 4096 on one core)."""
+    s, amax = _row_scale(x, qmax, floor)
+    v = torch.div(x, s).clamp_(-qmax, qmax)
+    return v.to(fp8).to(torch.float32).to(wide), s, amax
+
+
+def _widen(q: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """FP8 codes to their exact values in ``wide``. Through fp32: torch's direct fp8 -> bf16 CPU
+    conversion is the slower element-wise path, and compiled this is one fused pass (6.5 ms vs
+    34-45 ms eager for 1024 x 4096 on one core, noisy machine)."""
+    return q.to(torch.float32).to(wide)
+
+
+def _epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    # In place on the GEMM's own output (or its fp32 copy): one buffer instead of one per op.
+    y = y.to(torch.float32).mul_(sa).mul_(sb)
+    if bias is not None:
+        y.add_(bias)
+    return y.to(out_dtype)
+
+
+class _Compiled:
+    """torch.compile'd versions of the two fused pieces, made on first use; eager on failure."""
+
+    def __init__(self) -> None:
+        self._fns: dict[str, Callable] = {}
+        self._broken = False
+        self._lock = threading.Lock()
+
+    def get(self, key: str, fn: Callable) -> Callable:
+        if self._broken:
+            return fn
+        with self._lock:
+            if key not in self._fns:
+                try:
+                    self._fns[key] = torch.compile(fn, dynamic=True)
+                except Exception as exc:  # no compiler, unsupported platform: eager for good
+                    self._fail(exc)
+                    return fn
+            return self._fns[key]
+
+    def run(self, key: str, fn: Callable, *args: Any) -> Any:
+        compiled = self.get(key, fn)
+        if compiled is fn:
+            return fn(*args)
+        try:
+            return compiled(*args)
+        except Exception as exc:  # a compile error surfaces on the first call
+            self._fail(exc)
+            return fn(*args)
+
+    def _fail(self, exc: Exception) -> None:
+        if not self._broken:
+            warnings.warn(f"fp8ref cpu backends: torch.compile failed ({exc!r}); using eager code", stacklevel=3)
+        self._broken = True
+
+
+_COMPILED = _Compiled()
+
+
+class CpuWideBackend(Backend):
+    """FP8 values held exactly in ``wide`` (bf16 or fp32), one wide GEMM, fp32 scales and bias.
+
+    Examples
+    --------
+    >>> import torch, fp8ref
+    >>> be = fp8ref.get_backend("cpu-bf16")
+    >>> qw = be.prepare_weight(fp8ref.quantize(torch.randn(8, 32), fp8ref.W8A8_FP8.weight))
+    >>> qx = be.quantize(torch.randn(4, 32), fp8ref.W8A8_FP8.activation)
+    >>> be.scaled_mm(qx, qw).dtype
+    torch.bfloat16
+    """
+
+    def __init__(self, name: str, wide: torch.dtype, compile: bool | None = None) -> None:
+        self.name = name
+        self.wide = wide
+        self.accumulation = Accumulation.FP32
+        self.output_roundings = 2 if wide == torch.bfloat16 else 1
+        self._compile = compile
+        #: fp32 GEMMs through oneDNN's bf16 dot products (see the module docstring); cpu-fp32 only
+        self.bf16_dot_products = os.environ.get("FP8REF_CPU_BF16_DOT", "0") == "1"
+
+    @property
+    def compile(self) -> bool:
+        """Whether the torch.compile'd paths are used (default: ``FP8REF_COMPILE``)."""
+        return compile_enabled() if self._compile is None else self._compile
+
+    @compile.setter
+    def compile(self, value: bool | None) -> None:
+        self._compile = value
+
+    def supports(self, case: Case) -> str | None:
+        if torch.device(case.device).type != "cpu":
+            return f"{self.name} runs on CPU tensors only, the case is on {case.device}"
+        return self._out_reason(case.out_dtype)
+
+    def _out_reason(self, out_dtype: torch.dtype) -> str | None:
+        if self.wide == torch.bfloat16 and out_dtype != torch.bfloat16:
+            return (f"{self.name} rounds the GEMM result to bf16 before scaling, which only a bf16 output "
+                    f"covers; out_dtype {out_dtype} needs cpu-fp32")
+        return None
+
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
+        if self.compile and self._fusable(x, scheme):
+            q, s, amax = _COMPILED.run("codes", _quant_codes, x, scheme.qmax, scheme.amax_floor,
+                                       scheme.format.torch_dtype)
+            return self._checked(x, q, s, amax, scheme)
+        return fast_quantize(x, scheme)
+
+    @staticmethod
+    def _fusable(x: torch.Tensor, scheme: QuantScheme) -> bool:
+        return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and scheme.granularity is Granularity.ROW and scheme.dynamic and not scheme.pow2_scale
+                and scheme.scale_dtype == torch.float32)
+
+    @staticmethod
+    def _checked(x, q, s, amax, scheme) -> Quantized:
+        if not bool(torch.isfinite(amax).all()):
+            check_float_input(x)  # raises, naming the first non-finite element
+        return Quantized(q, s, scheme, 0)
+
+    def prepare_weight(self, w: Quantized) -> PreparedWeight:
+        if not isinstance(w, Quantized):
+            raise TypeError(f"prepare_weight takes an fp8ref.Quantized, got {type(w).__name__}")
+        return PreparedWeight.wrap(w, self.name, wide=w.data.to(self.wide).contiguous())
+
+    def _gemm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.wide == torch.float32 and self.bf16_dot_products:
+            with _bf16_dot_products():
+                return F.linear(a, b)
+        return F.linear(a, b)
+
+    def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        b, extra = unwrap(b, self.name)
+        check_mm_args(a, b, bias, out_dtype)
+        reason = self._out_reason(out_dtype)
+        if reason:
+            raise ValueError(reason)
+        if a.data.device.type != "cpu":
+            raise ValueError(f"{self.name} runs on CPU tensors only, got {a.data.device}")
+        w = extra.get("wide")
+        if w is None:
+            w = b.data.to(self.wide)
+        if self.compile:
+            a_wide = _COMPILED.run("widen", _widen, a.data, self.wide)
+        else:
+            a_wide = _widen(a.data, self.wide)
+        return self._mm_values(a, a_wide, b, w, bias, out_dtype)
+
+    def _mm_values(self, a: Quantized, a_wide: torch.Tensor, b: Quantized, w: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        bias32 = bias_fp32(bias, a_wide.device)
+        segs = k_segments(a, b)
+        if len(segs) == 1:
+            sa = segment_scale(a, 0).reshape(-1, 1)
+            sb = segment_scale(b, 0).reshape(1, -1)
+            y = self._gemm(a_wide, w)
+            if self.compile:
+                return _COMPILED.run("epilogue", _epilogue, y, sa, sb, bias32, out_dtype)
+            return _epilogue(y, sa, sb, bias32, out_dtype)
+        # One GEMM per K-segment; y accumulates the scaled segment sums in fp32.
+        y = torch.zeros(a_wide.shape[0], w.shape[0], dtype=torch.float32, device=a_wide.device)
+        for k0, k1 in segs:
+            part = self._gemm(a_wide[:, k0:k1], w[:, k0:k1]).to(torch.float32)
+            y += part * torch.outer(segment_scale(a, k0), segment_scale(b, k0))
+        if bias32 is not None:
+            y += bias32
+        return y.to(out_dtype)
+
+    def linear(self, x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16, scheme: QuantScheme | None = None) -> torch.Tensor:
+        """``scaled_mm(quantize(x, scheme), w, bias, out_dtype)``, fused where it can be.
+
+        Bit-identical to the two calls. For a per-row dynamic activation scheme and a weight with
+        one scale along K (per-row or per-tensor), the FP8 codes are never materialised: the
+        activation values go straight to the wide dtype. Callers that hold a backend (a selector,
+        an ``nn.Module``) may call this instead of the two methods when the backend has it.
+
+        Examples
+        --------
+        >>> import torch, fp8ref
+        >>> be = fp8ref.get_backend("cpu-bf16")
+        >>> w = be.prepare_weight(fp8ref.quantize(torch.randn(8, 32), fp8ref.W8A8_FP8.weight))
+        >>> be.linear(torch.randn(3, 32, dtype=torch.bfloat16), w).shape
+        torch.Size([3, 8])
+        """
+        from ..schemes import W8A8_FP8
+
+        scheme = W8A8_FP8.activation if scheme is None else scheme
+        b, extra = unwrap(w, self.name)
+        one_k_block = b.scheme.block_shape(*b.data.shape)[1] >= b.data.shape[1]
+        if not (self._fusable(x, scheme) and one_k_block and isinstance(b, Quantized)
+                and x.shape[1] == b.data.shape[1]):
+            return self.scaled_mm(self.quantize(x, scheme), w, bias, out_dtype)
+        reason = self._out_reason(out_dtype)
+        if reason:
+            raise ValueError(reason)
+        if x.device.type != "cpu":
+            raise ValueError(f"{self.name} runs on CPU tensors only, got {x.device}")
+        check_mm_args(b, b, bias, out_dtype)  # bias and out_dtype checks against the weight
+        args = (x, scheme.qmax, scheme.amax_floor, scheme.format.torch_dtype, self.wide)
+        if self.compile:
+            a_wide, sa, amax = _COMPILED.run("wide", _quant_wide, *args)
+        else:
+            a_wide, sa, amax = _quant_wide(*args)
+        if not bool(torch.isfinite(amax).all()):
+            check_float_input(x)
+        wide = extra.get("wide")
+        if wide is None:
+            wide = b.data.to(self.wide)
+        y = self._gemm(a_wide, wide)
+        sb = segment_scale(b, 0).reshape(1, -1)
+        bias32 = bias_fp32(bias, x.device)
+        if self.compile:
+            return _COMPILED.run("epilogue", _epilogue, y, sa, sb, bias32, out_dtype)
+        return _epilogue(y, sa, sb, bias32, out_dtype)
+
+
+register_backend(CpuWideBackend("cpu-bf16", torch.bfloat16))
+register_backend(CpuWideBackend("cpu-fp32", torch.float32))
