@@ -1,7 +1,138 @@
-"""pytest plug-in (entry point ``pytest11``): options for certifying a backend with fp8ref."""
+"""pytest plug-in (entry point ``pytest11``): certify FP8 backends with fp8ref from pytest.
+
+Options
+-------
+``--fp8ref-backend NAME``  certify this backend (repeatable; default: every registered backend,
+                           unavailable ones reported as skipped with their reason).
+``--fp8ref-profile P``     dev, ci or thorough (default: ``$FP8REF_HYPOTHESIS_PROFILE``, else dev).
+``--fp8ref-seed S``        Hypothesis seed (default: random; a failure prints the seed and the
+                           command that reproduces it).
+
+Fixtures
+--------
+``fp8ref_certify``  a function ``certify(backend, contract=None)`` that runs one contract (or
+                    all) against a backend instance or registered name and fails the test with
+                    the minimal counterexample. A kernel repository certifies its backend with::
+
+                        import pytest
+                        from fp8ref.conformance import CONTRACT_NAMES
+                        from mykernels import MyBackend
+
+                        @pytest.mark.parametrize("contract", CONTRACT_NAMES)
+                        def test_fp8ref_conformance(fp8ref_certify, contract):
+                            fp8ref_certify(MyBackend(), contract)
+
+``fp8ref_profile``  the selected profile name.
+``fp8ref_backend_names``  the backend names selected by ``--fp8ref-backend``.
+
+With ``$FP8REF_HYPOTHESIS_PROFILE`` set, the plug-in also loads the Hypothesis settings profile
+``fp8ref-<name>`` for every Hypothesis test of the session.
+
+Every contract runs in its own test with no Hypothesis example database, so the tests run under
+pytest-xdist (``-n auto``, or ``--tx`` remote workers) with no state shared between workers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+
+def _add(group, *args, **kwargs) -> None:
+    try:
+        group.addoption(*args, **kwargs)
+    except ValueError:  # already added: the plug-in is both installed and loaded from a conftest
+        pass
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("fp8ref")
-    group.addoption("--fp8ref-backend", action="append", default=None,
-                    help="certify this backend (repeatable); default: every available backend")
+    _add(group, "--fp8ref-backend", action="append", default=None,
+         help="certify this backend (repeatable); default: every registered backend")
+    _add(group, "--fp8ref-profile", default=None, choices=("dev", "ci", "thorough"),
+         help="conformance profile (default: $FP8REF_HYPOTHESIS_PROFILE, else dev)")
+    _add(group, "--fp8ref-seed", type=int, default=None, help="Hypothesis seed for the conformance contracts")
+
+
+def pytest_configure(config):
+    """With ``$FP8REF_HYPOTHESIS_PROFILE`` set (tox sets ``ci``), every Hypothesis test of the
+    session runs under the matching settings profile ``fp8ref-<name>`` (examples per test, no
+    example database, no deadline)."""
+    import os
+
+    name = os.environ.get("FP8REF_HYPOTHESIS_PROFILE")
+    if not name:
+        return
+    try:  # the plug-in loads in every pytest session where fp8ref is installed, with or without hypothesis
+        from hypothesis import settings
+    except ImportError:
+        return
+    from fp8ref.conformance.profiles import get_profile
+
+    settings.load_profile(f"fp8ref-{get_profile(name).name}")
+
+
+def selected_backend_names(config) -> list[str]:
+    """The names given with ``--fp8ref-backend``, else every registered backend."""
+    names = config.getoption("--fp8ref-backend", default=None)
+    if names:
+        return list(names)
+    from fp8ref.registry import backends
+
+    return [b.name for b in backends()]
+
+
+def selected_profile(config) -> str:
+    from fp8ref.conformance.profiles import default_profile_name
+
+    return config.getoption("--fp8ref-profile", default=None) or default_profile_name()
+
+
+@pytest.fixture
+def fp8ref_profile(request) -> str:
+    """The conformance profile selected for this run."""
+    return selected_profile(request.config)
+
+
+@pytest.fixture
+def fp8ref_backend_names(request) -> list[str]:
+    """The backends selected with ``--fp8ref-backend`` (default: every registered one)."""
+    return selected_backend_names(request.config)
+
+
+@pytest.fixture
+def fp8ref_certify(request):
+    """``certify(backend, contract=None)``: run fp8ref's contracts, fail with the counterexample.
+
+    ``contract`` None runs the whole table. Info contracts (batch invariance, bit-exact
+    quantization) never fail; their yes/no goes to the test's ``user_properties`` (JUnit XML).
+    An unavailable backend skips the test with its reason.
+    """
+    from fp8ref.conformance import CONTRACTS, check_contract, get_contract
+    from fp8ref.registry import Backend, get_backend
+
+    profile = selected_profile(request.config)
+    seed_opt = request.config.getoption("--fp8ref-seed", default=None)
+
+    def certify(backend: Backend | str, contract: str | None = None) -> list:
+        b = get_backend(backend) if isinstance(backend, str) else backend
+        reason = b.available()
+        if reason is not None:
+            pytest.skip(f"backend {b.name!r} unavailable: {reason}")
+        seed = random.randrange(2**32) if seed_opt is None else seed_opt
+        results = []
+        for c in CONTRACTS if contract is None else (get_contract(contract),):
+            r = check_contract(b, c, profile, seed)
+            request.node.user_properties.append((f"{b.name}:{r.contract}", r.status))
+            results.append(r)
+        failed = [r for r in results if r.failed]
+        if failed:
+            msg = "\n".join(f"{r.contract} on {b.name} ({r.status}): {r.message}\n  minimal counterexample: "
+                            f"{r.counterexample}\n  reproduce: {r.reproduce}" for r in failed)
+            pytest.fail(msg, pytrace=False)
+        if all(r.status == "n/a" for r in results):
+            pytest.skip("; ".join(f"{r.contract}: {r.note}" for r in results))
+        return results
+
+    return certify

@@ -1,0 +1,108 @@
+"""``fp8ref conformance``: certify backends against the contract table, print/save the reports.
+
+Examples::
+
+    fp8ref conformance --backend torch --profile ci --json torch.json
+    fp8ref conformance --all --markdown conformance.md
+    fp8ref conformance --merge host1.json host2.json --markdown fleet.md
+
+Exit status: 0 when every certified backend passed (known failures listed in the ledger count
+as expected), 1 when any contract failed, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("conformance", help="certify FP8 backends against the spec's contracts (property-based)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--backend", action="append", metavar="NAME", help="backend to certify (repeatable)")
+    who.add_argument("--all", action="store_true", help="every registered backend (the default)")
+    who.add_argument("--merge", nargs="+", metavar="JSON", help="merge JSON reports of earlier runs into one table")
+    p.add_argument("--profile", choices=("dev", "ci", "thorough"), default=None,
+                   help="search budget (default: $FP8REF_HYPOTHESIS_PROFILE, else dev)")
+    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
+    p.add_argument("--only", action="append", metavar="CONTRACT", help="run only this contract (repeatable)")
+    p.add_argument("--known-failures", metavar="PY",
+                   help="ledger of known upstream failures (default: properties/known_failures.py if present)")
+    p.add_argument("--json", metavar="FILE", help="write the report(s) as JSON")
+    p.add_argument("--markdown", metavar="FILE", help="write the report(s) as markdown")
+    p.add_argument("--list", action="store_true", help="print the contract table and exit")
+    p.set_defaults(func=_run)
+
+
+def load_known_failures(path: str | None) -> list[dict]:
+    """Entries of a known-failures ledger module (``KNOWN_FAILURES``, a list of dicts)."""
+    if path is None:
+        path = os.path.join("properties", "known_failures.py")
+        if not os.path.exists(path):
+            return []
+    spec = importlib.util.spec_from_file_location("_fp8ref_known_failures", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load known failures from {path!r}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    entries = getattr(mod, "KNOWN_FAILURES", None)
+    if entries is None:
+        raise ValueError(f"{path} defines no KNOWN_FAILURES list")
+    return list(entries)
+
+
+def _contract_table() -> str:
+    from .conformance.contracts import CONTRACTS
+
+    lines = [f"{'contract':30} {'kind':8} {'bound':26} statement"]
+    lines += [f"{c.name:30} {c.kind:8} {c.bound:26} {c.statement}" for c in CONTRACTS]
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        from .conformance import check, load_report, merge_reports
+    except ImportError as exc:
+        print(f"fp8ref conformance needs hypothesis: pip install 'fp8ref[conformance]' ({exc})", file=sys.stderr)
+        return 2
+    from .registry import backends
+
+    if args.list:
+        print(_contract_table())
+        return 0
+    if args.merge:
+        reports = [r for path in args.merge for r in load_report(path)]
+        table = merge_reports(reports)
+        print(table)
+        _write(args, reports, table)
+        return 0 if all(r.passed for r in reports) else 1
+    names = args.backend or [b.name for b in backends()]
+    known = load_known_failures(args.known_failures)
+    reports = []
+    for name in names:
+        try:
+            report = check(name, profile=args.profile, seed=args.seed, contracts=args.only, known_failures=known)
+        except KeyError as exc:
+            print(f"fp8ref conformance: {exc.args[0]}", file=sys.stderr)
+            return 2
+        print(report.to_text(), flush=True)
+        reports.append(report)
+    if len(reports) > 1:
+        print(merge_reports(reports))
+    _write(args, reports, "\n".join(r.to_markdown() for r in reports))
+    failed = [r.backend for r in reports if not r.passed]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _write(args: argparse.Namespace, reports, markdown: str) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in reports], f, indent=2, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown)

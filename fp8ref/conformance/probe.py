@@ -1,0 +1,94 @@
+"""A characterization probe: how many significand bits a backend's GEMM accumulator keeps.
+
+Row m of the activations is ``[256, c_m, 0, ..., 0, -256]`` and weight column n is
+``[256, d_n, 0, ..., 0, 256]`` (all scales 1), so the exact result is ``delta = c_m d_n`` while a
+K-ordered accumulator first forms ``2**16 + delta``. An accumulator with a p-bit significand
+keeps delta exactly when delta >= ulp(2**16) = 2**(17 - p) and loses all of it when delta is at
+most half that (powers of two: a tie rounds to the even 2**16). The reading is the largest p
+for which every delta >= 2**(17 - p) survived: 24 for fp32 accumulation, about 14 for Hopper's
+fast accumulation, 8 for bf16, and ``PROBE_MAX_BITS`` (the probe's range) for exact ones. The
+final value is a power of two, so the output rounding loses nothing and does not cap the reading.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..quant import Quantized
+from ..registry import Backend, Case
+from ..schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8
+
+__all__ = ["accumulator_bits", "PROBE_MAX_BITS"]
+
+_L_CODE = 256.0  # 2**8; the large product is 2**16
+_C = [2.0 ** (8 - m) for m in range(18)]  # c_m: 2**8 .. 2**-9 (E4M3 normals and subnormals)
+_D = [2.0**8, 1.0, 2.0**-9]  # d_n
+#: Bits read from delta = c_m d_n: 17 - log2(delta); the columns read 1..18, 9..26 and 18..35
+#: (a reading of 0: even delta = 2**16 was lost, so products are dropped, not rounded).
+PROBE_MAX_BITS = 35
+_M, _N, _K = 32, 16, 16  # multiples of 16: the alignment every fp8 GEMM accepts
+
+
+def _operands(recipe):
+    a = torch.zeros(_M, _K)
+    for m, c in enumerate(_C):
+        a[m, 0], a[m, 1], a[m, _K - 1] = _L_CODE, c, -_L_CODE
+    b = torch.zeros(_N, _K)
+    for n, d in enumerate(_D):
+        b[n, 0], b[n, 1], b[n, _K - 1] = _L_CODE, d, _L_CODE
+    qa, qw = recipe.activation, recipe.weight
+    return (Quantized(a.to(qa.format.torch_dtype), torch.ones(qa.scale_shape(_M, _K), dtype=qa.scale_dtype), qa),
+            Quantized(b.to(qw.format.torch_dtype), torch.ones(qw.scale_shape(_N, _K), dtype=qw.scale_dtype), qw))
+
+
+def accumulator_bits(backend: Backend, device: str = "cpu") -> int | None:
+    """Estimate the significand bits the backend's accumulator keeps (see the module docstring).
+
+    Parameters
+    ----------
+    backend : Backend
+    device : str
+        Where the operands live.
+
+    Returns
+    -------
+    int or None
+        The reading, capped at ``PROBE_MAX_BITS``; None when the backend declines every E4M3
+        recipe and output dtype the probe can use.
+
+    Examples
+    --------
+    >>> from fp8ref import get_backend
+    >>> from fp8ref.conformance import accumulator_bits
+    >>> accumulator_bits(get_backend("reference"))
+    35
+    """
+    for recipe in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK):
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            # Small-M kernels (decode) decline 32 rows: feed them the probe rows in chunks.
+            for rows in (_M, 16, 4, 1):
+                case = Case(rows, _N, _K, recipe, torch.bfloat16, out_dtype, device=device)
+                if backend.supports(case) is None:
+                    return _read(backend, recipe, out_dtype, rows, device)
+    return None
+
+
+def _read(backend: Backend, recipe, out_dtype: torch.dtype, rows: int, device: str) -> int:
+    a, b = _operands(recipe)
+    b = Quantized(b.data.to(device), b.scale.to(device), b.scheme)
+    prepared = backend.prepare_weight(b)
+    ys = []
+    for m0 in range(0, _M, rows):
+        part = Quantized(a.data[m0:m0 + rows].to(device), a.scale[:1].expand(
+            a.scheme.scale_shape(rows, _K)).contiguous().to(device), a.scheme)
+        ys.append(backend.scaled_mm(part, prepared, None, out_dtype).to(torch.float64).cpu())
+    y = torch.cat(ys)
+    lost = []
+    for m, c in enumerate(_C):
+        for n, d in enumerate(_D):
+            delta = c * d
+            if float(y[m, n]) != delta:
+                lost.append(int(17 - math.log2(delta)))
+    return min(lost) - 1 if lost else PROBE_MAX_BITS

@@ -1,0 +1,111 @@
+"""Conformance profiles: how hard the suite searches (examples per contract, largest shapes).
+
+Three profiles, chosen with the environment variable ``FP8REF_HYPOTHESIS_PROFILE`` (tox sets
+``ci``) or explicitly (``check(backend, profile="thorough")``):
+
+========  ========  ========  =====  ==========  ===========  =====================================
+profile   examples  max M, N  max K  max elems   budget/contr  use
+========  ========  ========  =====  ==========  ===========  =====================================
+dev       6         33        160    2048        2 s           editing a kernel: seconds per backend
+ci        16        64        272    4096        4 s           every push: one backend in < 60 s
+thorough  200       256       4097   unlimited   300 s         nightly: K = 4097, 1-element groups
+========  ========  ========  =====  ==========  ===========  =====================================
+
+Each profile is also registered as a Hypothesis settings profile named ``fp8ref-<name>``
+(no example database, so parallel workers share no state; no deadline, because a reference
+GEMM's time depends on the shape drawn).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from hypothesis import HealthCheck, Phase, settings
+
+__all__ = ["Profile", "PROFILES", "ENV_VAR", "get_profile", "default_profile_name", "hypothesis_settings"]
+
+ENV_VAR = "FP8REF_HYPOTHESIS_PROFILE"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Search budget of one conformance run.
+
+    Attributes
+    ----------
+    name : str
+    max_examples : int
+        Hypothesis examples per contract (the exhaustive and probe contracts ignore it).
+    max_mn, max_k : int
+        Largest M, N and K drawn; the special sizes (1, 3, 15, 17, 127, 129, 4097) above the
+        cap are left out.
+    max_elems : int
+        Largest rows x cols of one operand (interpreted kernels pay per element).
+    tiny_blocks : bool
+        Also draw scale groups/blocks of 1 and 2 elements (one scale per element: costly for
+        kernels launched per group, so only in ``thorough``).
+    time_budget_s : float
+        Soft time budget per contract: once spent, no new example starts (the report gives the
+        number of examples that ran). Shrinking a failure is not cut short.
+    shrink : bool
+        Shrink a failing example to a minimal one (off only for the mutant self-test, which
+        needs a verdict, not a counterexample).
+    """
+
+    name: str
+    max_examples: int
+    max_mn: int
+    max_k: int
+    max_elems: int = 1 << 30
+    tiny_blocks: bool = False
+    time_budget_s: float = 3600.0
+    shrink: bool = True
+
+    def with_(self, **changes) -> Profile:
+        return replace(self, **changes)
+
+
+PROFILES: dict[str, Profile] = {
+    "dev": Profile("dev", max_examples=6, max_mn=33, max_k=160, max_elems=2048, time_budget_s=2.0),
+    "ci": Profile("ci", max_examples=16, max_mn=64, max_k=272, max_elems=4096, time_budget_s=4.0),
+    "thorough": Profile("thorough", max_examples=200, max_mn=256, max_k=4097, tiny_blocks=True,
+                        time_budget_s=300.0),
+}
+
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
+             HealthCheck.large_base_example, HealthCheck.differing_executors, HealthCheck.nested_given]
+
+
+def default_profile_name() -> str:
+    """``$FP8REF_HYPOTHESIS_PROFILE`` if set, else ``dev``."""
+    name = os.environ.get(ENV_VAR, "dev")
+    if name not in PROFILES:
+        raise ValueError(f"{ENV_VAR}={name!r} is not a profile; choose one of {sorted(PROFILES)}")
+    return name
+
+
+def get_profile(profile: Profile | str | None = None) -> Profile:
+    """A profile by object or name; None gives the one the environment selects."""
+    if isinstance(profile, Profile):
+        return profile
+    if profile is None:
+        profile = default_profile_name()
+    try:
+        return PROFILES[profile]
+    except KeyError:
+        raise ValueError(f"unknown conformance profile {profile!r}; choose one of {sorted(PROFILES)}") from None
+
+
+def hypothesis_settings(profile: Profile, max_examples: int | None = None) -> settings:
+    """The Hypothesis settings a contract runs under in ``profile``."""
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+    if profile.shrink:
+        phases.append(Phase.shrink)
+    return settings(max_examples=profile.max_examples if max_examples is None else max_examples,
+                    deadline=None, database=None, derandomize=False, print_blob=True,
+                    suppress_health_check=_SUPPRESS, phases=phases, report_multiple_bugs=False)
+
+
+for _p in PROFILES.values():
+    settings.register_profile(f"fp8ref-{_p.name}", hypothesis_settings(_p))

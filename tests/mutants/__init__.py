@@ -1,0 +1,1 @@
+"""Mutant backends that the conformance suite must reject, and correct variants it must accept."""
