@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="the main job on a built-in default: backends, and the reference "
                                     "linear against its derived bound for every recipe")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default="dev", choices=("dev", "ci", "thorough"),
+                   help="conformance profile for the backends (default: dev, seconds per backend)")
+    p.add_argument("--no-conformance", action="store_true", help="skip certifying the backends")
     p.set_defaults(func=_demo)
 
 
@@ -53,18 +56,58 @@ def demo_linear(seed: int = 0, M: int = 16, N: int = 256, K: int = 512) -> list[
     return rows
 
 
+def _ratio_of(report, contract: str) -> str:
+    try:
+        r = report.result(contract).worst_ratio
+    except KeyError:
+        return "-"
+    return "-" if r is None else f"{r:.4f}"
+
+
 def _demo(args: argparse.Namespace) -> int:
+    import time
+
+    from .conformance import check
+    from .linear import linear
     from .registry import backends
 
-    print("backends on this machine:")
-    for b in backends():
-        print(f"  {b.name:14} {'available' if b.available else 'unavailable: ' + str(b.reason)}"
-              f"  [{b.precision}]")
-    print("\nreference linear, bf16 [16 x 512] x [256 x 512]^T with outlier channels:")
-    print(f"  {'recipe':16} {'rel. L2 error':>14} {'max err/bound':>14}")
     ok = True
+    infos = backends()
+    if args.no_conformance:
+        print("backends on this machine:")
+        for b in infos:
+            print(f"  {b.name:16} [{b.precision:8}] {'available' if b.available else 'unavailable: ' + str(b.reason)}")
+    else:
+        print(f"conformance of every backend on this machine (profile {args.profile}, seed {args.seed}):")
+        print(f"  {'backend':16} {'class':9} {'result':8} {'quantize':>9} {'scaled_mm':>9} {'linear':>7} "
+              f"{'acc. bits':>9} {'time':>7}   (worst error/bound per bounded contract)")
+        for b in infos:
+            if not b.available:
+                print(f"  {b.name:16} {b.precision:9} {'skipped':8} unavailable: {b.reason}")
+                continue
+            rep = check(b.name, profile=args.profile, seed=args.seed)
+            ok &= rep.passed
+            ratios = [_ratio_of(rep, c) for c in ("quantize.codes", "scaled_mm.bound", "linear.bound")]
+            bits = "-" if rep.accumulator_bits is None else str(rep.accumulator_bits)
+            verdict = "PASS" if rep.passed else "FAIL: " + ", ".join(r.contract for r in rep.failures)
+            print(f"  {b.name:16} {b.precision:9} {verdict:8} {ratios[0]:>9} {ratios[1]:>9} {ratios[2]:>7} "
+                  f"{bits:>9} {rep.seconds:6.1f}s")
+    print("\nreference linear, bf16 [16 x 512] x [256 x 512]^T with outlier channels, vs the float64 linear:")
+    print(f"  {'recipe':16} {'rel. L2 error':>14} {'max err/bound':>14}")
     for row in demo_linear(args.seed):
         ok &= row["max_err_over_bound"] <= 1.0
         print(f"  {row['recipe']:16} {row['rel_l2']:14.3e} {row['max_err_over_bound']:14.3f}")
-    print("\nevery error within its derived bound" if ok else "\nBOUND VIOLATED")
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(16, 1024, generator=g).to(torch.bfloat16)
+    w = (torch.randn(1024, 1024, generator=g) / 32).to(torch.bfloat16)
+    t0 = time.perf_counter()
+    y = linear(x, w)
+    t1 = time.perf_counter()
+    from . import explain
+
+    chosen = explain(x, w).chosen
+    rel = float((y.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())
+    print(f"\nfp8ref.linear(x[16, 1024], w[1024, 1024], backend='auto') chose {chosen!r} "
+          f"(first call incl. selection {t1 - t0:.2f} s); relative L2 error vs bf16-exact {rel:.3e}")
+    print("\nall checks passed" if ok else "\nSOMETHING FAILED (see above)")
     return 0 if ok else 1

@@ -19,3 +19,9 @@ def test_demo_rows_are_within_their_bounds():
     for r in rows:
         assert 0 < r["max_err_over_bound"] <= 1.0
         assert 0 < r["rel_l2"]
+
+
+def test_demo_main_job_without_conformance(capsys):
+    assert main(["demo", "--no-conformance"]) == 0
+    out = capsys.readouterr().out
+    assert "reference" in out and "backend='auto') chose" in out and "all checks passed" in out
