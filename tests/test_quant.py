@@ -190,3 +190,17 @@ def test_quantized_validates_its_fields():
         fp8ref.Quantized(q.data, q.scale[:2], q.scheme)
     with pytest.raises(TypeError, match="dtype"):
         fp8ref.Quantized(q.data.view(torch.uint8), q.scale, q.scheme)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
+def test_chunked_passes_do_not_change_a_bit(scheme, monkeypatch):
+    """The quantizer works in row chunks (memory); chunk edges must not show in the result."""
+    from fp8ref import quant
+
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(301, 77, generator=g) * torch.logspace(-3, 3, 77)).to(torch.bfloat16)
+    whole = quantize(x, scheme)
+    monkeypatch.setattr(quant, "_CHUNK_ELEMS", 100)
+    pieces = quantize(x, scheme)
+    assert torch.equal(whole.data.view(torch.uint8), pieces.data.view(torch.uint8))
+    assert torch.equal(whole.scale, pieces.scale) and whole.n_saturated == pieces.n_saturated
