@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = (
     "fp8ref.cli_spec",
     "fp8ref.cli_select",
     "fp8ref.cli_conformance",
+    "fp8ref.cli_audit",
 )
 
 
