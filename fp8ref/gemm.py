@@ -26,7 +26,8 @@ import torch
 from .formats import Fp8Format
 from .quant import Quantized
 
-__all__ = ["scaled_mm", "scaled_mm_exact", "k_segments", "scale_column", "ExactPlan", "exact_plan", "OUT_DTYPES"]
+__all__ = ["scaled_mm", "scaled_mm_exact", "k_segments", "scale_column", "check_operands", "ExactPlan", "exact_plan",
+           "OUT_DTYPES"]
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _F64_SIGNIFICAND = 53
@@ -85,7 +86,10 @@ def k_segments(a: Quantized, b: Quantized) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def _check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+def check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype, *,
+                   finite_bias: bool = True) -> None:
+    """The argument checks of ``scaled_mm`` (backends reuse them for the same errors and messages);
+    ``finite_bias=False`` skips the NaN/Inf scan of the bias (a device sync on hot paths)."""
     if not isinstance(a, Quantized) or not isinstance(b, Quantized):
         raise TypeError("scaled_mm takes two fp8ref.Quantized operands: a [M, K] activations, b [N, K] weights")
     if a.data.shape[1] != b.data.shape[1]:
@@ -99,7 +103,7 @@ def _check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_d
             raise TypeError("bias must be a float tensor")
         if tuple(bias.shape) != (b.data.shape[0],):
             raise ValueError(f"bias must have shape [N] = ({b.data.shape[0]},), got {tuple(bias.shape)}")
-        if not bool(torch.isfinite(bias).all()):
+        if finite_bias and not bool(torch.isfinite(bias).all()):
             raise ValueError("bias contains NaN/Inf")
 
 
@@ -158,7 +162,7 @@ def scaled_mm_exact(a: Quantized, b: Quantized, bias: torch.Tensor | None = None
     With ``absolute=True`` it computes sum_g |sa sb| sum_k |a_k b_k| instead (bias ignored): the
     magnitude that every error bound in ``fp8ref.bounds`` is proportional to.
     """
-    _check_operands(a, b, bias, torch.float64)
+    check_operands(a, b, bias, torch.float64)
     M, K = a.data.shape
     N = b.data.shape[0]
     plan = exact_plan(a.scheme.format, b.scheme.format)
@@ -203,6 +207,6 @@ def scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
     >>> fp8ref.scaled_mm(a, b, out_dtype=torch.float32).tolist()
     [[11.0, 1.0]]
     """
-    _check_operands(a, b, bias, out_dtype)
+    check_operands(a, b, bias, out_dtype)
     y, _ = scaled_mm_exact(a, b, bias)
     return y.to(out_dtype)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import quant
-from ..gemm import OUT_DTYPES
+from ..gemm import check_operands
 from ..quant import Quantized
 from ..schemes import Granularity, QuantScheme
 
@@ -44,20 +44,9 @@ def unwrap(b: Quantized, backend: str) -> tuple[Quantized, dict[str, Any]]:
 
 
 def check_mm_args(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
-    """The argument checks of the reference ``scaled_mm`` (same exceptions, same messages)."""
-    if not isinstance(a, Quantized) or not isinstance(b, Quantized):
-        raise TypeError("scaled_mm takes two fp8ref.Quantized operands: a [M, K] activations, b [N, K] weights")
-    if a.data.shape[1] != b.data.shape[1]:
-        raise ValueError(f"K mismatch: a is {tuple(a.data.shape)} [M, K] but b is {tuple(b.data.shape)} [N, K]")
-    if a.data.device != b.data.device:
-        raise ValueError(f"a is on {a.data.device} but b is on {b.data.device}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise TypeError("bias must be a float tensor")
-        if tuple(bias.shape) != (b.data.shape[0],):
-            raise ValueError(f"bias must have shape [N] = ({b.data.shape[0]},), got {tuple(bias.shape)}")
+    """The argument checks of the reference ``scaled_mm`` (same exceptions, same messages), without
+    the bias's NaN/Inf scan on the hot path."""
+    check_operands(a, b, bias, out_dtype, finite_bias=False)
 
 
 def bias_fp32(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
