@@ -14,6 +14,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "fp8ref.cli_spec",
     "fp8ref.cli_select",
+    "fp8ref.cli_bench",
     "fp8ref.cli_conformance",
     "fp8ref.cli_audit",
 )

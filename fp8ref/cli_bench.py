@@ -1,0 +1,113 @@
+"""``fp8ref bench``: speed of every backend as ratios to bf16 and to this machine's ceilings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must be KxN with positive ints, e.g. 4096x14336; "
+                                         f"got {text!r}") from None
+    if k < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"shape must be KxN with positive ints, got {text!r}")
+    return k, n
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return vals
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return v
+
+
+SECTIONS = ("ceilings", "quant", "linear", "reference", "selector", "conformance")
+
+
+def _sections(text: str) -> list[str]:
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in vals if v not in SECTIONS]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"sections must be among {','.join(SECTIONS)}; got {text!r}")
+    return vals
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark quantization and linear per backend as ratios to bf16 "
+                                     "and to the measured copy bandwidth and bf16 GEMM peak")
+    p.add_argument("--quick", action="store_true",
+                   help="one shape (K=N=4096), M in {1,16}, small tensors: well under a minute on a CPU")
+    p.add_argument("--json", metavar="FILE", type=Path, help="also write every figure to FILE as JSON")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", action="append", metavar="NAME",
+                   help="only this backend (repeatable); default: every backend available on the device")
+    p.add_argument("--shape", action="append", type=_shape, metavar="KxN",
+                   help="linear shape (repeatable); default: the Llama-3.1-8B shapes")
+    p.add_argument("--m", type=_ints, metavar="M1,M2,..", help="token counts; default 1,16,128,1024")
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="torch CPU threads (torch.set_num_threads); default: torch's own choice. On a loaded "
+                        "machine 1 thread avoids waiting at parallel barriers for descheduled threads")
+    p.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="S1,S2,..",
+                   help=f"what to run, among {','.join(SECTIONS)} (default: all)")
+    p.set_defaults(func=_bench)
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The options that shaped this run, as a command to repeat it (recorded in the JSON)."""
+    parts = ["fp8ref", "bench", "--device", args.device]
+    if args.quick:
+        parts.append("--quick")
+    if args.threads:
+        parts += ["--threads", str(args.threads)]
+    for b in args.backend or ():
+        parts += ["--backend", b]
+    for k, n in args.shape or ():
+        parts += ["--shape", f"{k}x{n}"]
+    if args.m:
+        parts += ["--m", ",".join(map(str, args.m))]
+    if list(args.sections) != list(SECTIONS):
+        parts += ["--sections", ",".join(args.sections)]
+    if args.json:
+        parts += ["--json", str(args.json)]
+    return " ".join(parts)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        res = bench.run(args.device, quick=args.quick, backends_only=args.backend, shapes=args.shape,
+                        m_values=args.m, sections=args.sections,
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
+    except (RuntimeError, ValueError) as exc:
+        print(f"fp8ref bench: {exc}", file=sys.stderr)
+        return 2
+    res["meta"]["command"] = _command_line(args)
+    print(bench.format_report(res))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1))
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,368 @@
+"""fp8ref.bench and ``fp8ref bench``: the timing helper, the byte counts, the ratios and the report.
+
+No test asserts a speed: timings on a shared CPU are noise. They check that every figure is the
+ratio it claims to be, computed from the timings of the same run, and that slow or failing
+backends are skipped with a reason rather than hang or vanish.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from fp8ref import FP8_BLOCK, W8A8_FP8, QuantScheme, bench, quant
+from fp8ref.bounds import Accumulation
+from fp8ref.cli import main
+from fp8ref.kernels.reference import ReferenceBackend
+from fp8ref.registry import Backend
+
+
+class _Counter:
+    def __init__(self, sleep_s: float = 0.0):
+        self.calls, self.sleep_s = 0, sleep_s
+
+    def __call__(self):
+        self.calls += 1
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+
+
+def test_timeit_counts_calls_and_samples():
+    fn = _Counter()
+    t = bench.timeit(fn, warmup=2, repeat=4, min_sample_s=0.5, budget_s=60)
+    assert t.samples == 4 and t.inner == 1000  # a trivial call: as many per sample as allowed
+    # first call + one more warm-up + one calibration call + the timed calls
+    assert fn.calls == 2 + 1 + t.samples * t.inner
+    assert 0 < t.min_s <= t.median_s
+
+
+def test_timeit_long_calls_need_no_calibration():
+    fn = _Counter(sleep_s=0.005)
+    t = bench.timeit(fn, repeat=3, min_sample_s=0.001, budget_s=60)
+    assert (t.samples, t.inner, fn.calls) == (3, 1, 1 + 3)
+
+
+def test_timeit_stops_at_budget():
+    fn = _Counter(sleep_s=0.02)
+    t = bench.timeit(fn, repeat=50, budget_s=0.01)
+    # the first call already spent the budget: one single-call sample, no more
+    assert (t.samples, t.inner, fn.calls) == (1, 1, 2)
+    assert t.median_s >= 0.02 and t.first_s >= 0.02
+
+
+@pytest.mark.parametrize("kw", [{"warmup": 0}, {"repeat": 0}, {"budget_s": 0.0}])
+def test_timeit_rejects_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        bench.timeit(lambda: None, **kw)
+    with pytest.raises(TypeError):
+        bench.timeit(42)
+
+
+@pytest.mark.parametrize("scheme, scales", [
+    (QuantScheme(granularity="row"), 6),
+    (QuantScheme(granularity="tensor"), 1),
+    (QuantScheme(granularity="group", group_size=128), 6 * 3),  # 300 columns: 3 groups, the last partial
+    (QuantScheme(granularity="block", block=(4, 128)), 2 * 3),
+])
+def test_quant_bytes_counts_input_codes_and_scales(scheme, scales):
+    # 6 x 300 bf16 in (2 bytes each), one fp8 code out per element, fp32 scales
+    assert bench.quant_bytes(6, 300, torch.bfloat16, scheme) == 6 * 300 * (2 + 1) + 4 * scales
+    assert bench.quant_bytes(6, 300, torch.float32, scheme) == 6 * 300 * (4 + 1) + 4 * scales
+
+
+def test_ceilings_are_positive_and_say_what_they_measured():
+    c = bench.copy_bandwidth("cpu", 1 << 20, repeat=2, budget_s=0.2)
+    assert c["bytes_moved"] == 2 * c["bytes"] == 2 << 20
+    assert c["gbps"] == pytest.approx(c["bytes_moved"] / c["timing"]["min_s"] / 1e9)  # a ceiling: the best
+    p = bench.bf16_gemm_peak("cpu", [32, 64], repeat=2, budget_s=0.2)
+    assert p["gflops"] == max(r["gflops"] for r in p["per_size"])
+    assert {r["n"] for r in p["per_size"]} == {32, 64}
+    assert all(r["gflops"] == pytest.approx(2 * r["n"] ** 3 / r["timing"]["min_s"] / 1e9) for r in p["per_size"])
+    with pytest.raises(ValueError):
+        bench.copy_bandwidth("cpu", 0)
+    with pytest.raises(ValueError):
+        bench.bf16_gemm_peak("cpu", [])
+
+
+def test_peer_api_reports_what_is_missing():
+    assert bench.peer_api("fp8ref.quant", "quantize") == (quant.quantize, None)
+    obj, reason = bench.peer_api("fp8ref.no_such_module", "f")
+    assert obj is None and "cannot import fp8ref.no_such_module" in reason
+
+
+def test_quantization_rows_are_gbps_of_the_counted_bytes():
+    rows = bench.bench_quantization("cpu", ["reference"], act_shape=(4, 256), weight_shape=(256, 256),
+                                    copy_gbps=10.0, repeat=2, budget_s=0.1)
+    assert [r["quant"] for r in rows] == [q for q, _, _ in bench.QUANT_SCHEMES]
+    for r in rows:
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+        assert r["frac_of_copy"] == pytest.approx(r["gbps"] / 10.0)
+    block = next(r for r in rows if r["quant"] == "block128x128")
+    assert block["shape"] == [256, 256] and block["scheme"] == FP8_BLOCK.weight.short_str()
+
+
+class _NoQuantize(Backend):
+    name = "test-no-quantize"
+
+
+def test_quantization_skips_a_backend_that_cannot_quantize():
+    rows = bench.bench_quantization("cpu", [_NoQuantize()], act_shape=(2, 128), weight_shape=(128, 128))
+    assert len(rows) == len(bench.QUANT_SCHEMES)
+    assert all("NotImplementedError" in r["skipped"] and "gbps" not in r for r in rows)
+
+
+def test_quantization_past_deadline_is_skipped():
+    rows = bench.bench_quantization("cpu", ["reference"], act_shape=(2, 128), weight_shape=(128, 128),
+                                    deadline=time.perf_counter() - 1)
+    assert all("time budget" in r["skipped"] for r in rows)
+
+
+class _SlowReference(ReferenceBackend):
+    """The reference, made slow: every scaled_mm sleeps, to trip max_call_s."""
+
+    name = "test-slow"
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        time.sleep(0.03)
+        return super().scaled_mm(a, b, bias, out_dtype)
+
+
+class _Broken(ReferenceBackend):
+    name = "test-broken"
+    accumulation = Accumulation.FP32
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        raise RuntimeError("kernel launch failed")
+
+
+def test_linear_rows_are_ratios_to_bf16_and_peak_with_slow_and_broken_backends():
+    rows = bench.bench_linear("cpu", ["reference", _SlowReference(), _Broken()], shapes=[(128, 64)],
+                              m_values=[1, 4], peak_gflops=100.0, include_auto=False, gemm_only=True,
+                              repeat=2, budget_s=0.1, max_call_s=0.02)
+    assert [(r["K"], r["N"], r["M"]) for r in rows] == [(128, 64, 1), (128, 64, 4)]
+    for r in rows:
+        ref = r["backends"]["reference"]
+        assert ref["speedup_vs_bf16"] == pytest.approx(r["bf16_s"] / ref["seconds"])
+        assert ref["frac_of_peak"] == pytest.approx(r["flops"] / ref["seconds"] / 1e9 / 100.0)
+        assert ref["gemm_speedup_vs_bf16"] == pytest.approx(r["bf16_s"] / ref["gemm_seconds"])
+        assert r["bf16_frac_of_peak"] == pytest.approx(r["bf16_gflops"] / 100.0)
+        assert "kernel launch failed" in r["backends"]["test-broken"]["error"]
+        assert r["fastest"] in ("reference", "test-slow")
+    assert "seconds" in rows[0]["backends"]["test-slow"]
+    # 0.03 s per call > max_call_s: the larger M is not run, and the row says why
+    assert "max_call_s" in rows[1]["backends"]["test-slow"]["skipped"]
+
+
+def test_fastest_and_auto_ratio():
+    row = {"backends": {"a": {"seconds": 2.0}, "b": {"seconds": 1.0}, "c": {"seconds": 0.5},
+                        "auto": {"seconds": 1.05}}}
+    bench._fastest(row, compliant=["a", "b"])  # c is faster but not admitted
+    assert row["fastest"] == "b" and row["auto_over_fastest"] == pytest.approx(1.05)
+    bench._fastest(row)
+    assert row["fastest"] == "c" and row["auto_over_fastest"] == pytest.approx(2.1)
+
+
+def test_reference_section_ratio_is_from_the_same_run():
+    r = bench.bench_reference(M=4, K=128, N=32, quant_shape=(32, 128), repeat=1, budget_s=0.5)
+    assert r["scaled_mm_over_fp32_linear"] == pytest.approx(r["scaled_mm"]["seconds"] / r["fp32_linear_s"])
+    assert r["quantize"]["gbps"] == pytest.approx(r["quantize"]["bytes"] / r["quantize"]["seconds"] / 1e9)
+    assert r["target_scaled_mm_over_fp32_linear"] == 3.0
+
+
+class _FakeResult:
+    def __init__(self, examples):
+        self.examples = examples
+
+
+class _FakeReport:
+    passed = True
+
+    def __init__(self):
+        self.results = [_FakeResult(3), _FakeResult(5)]
+
+
+def test_conformance_throughput_counts_examples(monkeypatch):
+    calls = []
+
+    def fake_check(backend, profile, seed=None):
+        calls.append((backend, profile, seed))
+        if backend == "bad":
+            raise RuntimeError("boom")
+        return _FakeReport()
+
+    real = bench.peer_api
+    monkeypatch.setattr(bench, "peer_api", lambda m, a: (fake_check, None) if a == "check" else real(m, a))
+    rows = bench.bench_conformance(["reference", "bad"], profile="dev")
+    assert calls == [("reference", "dev", 0), ("bad", "dev", 0)]
+    assert rows[0]["examples"] == 8 and rows[0]["passed"] is True
+    assert rows[0]["examples_per_s"] == pytest.approx(8 / rows[0]["seconds"])
+    assert "boom" in rows[1]["error"]
+    monkeypatch.setattr(bench, "peer_api", lambda m, a: (None, f"{m}.{a} is not available: test"))
+    assert bench.bench_conformance(["reference"]) == [{"backend": "reference", "skipped":
+                                                      "fp8ref.conformance.check is not available: test"}]
+
+
+def test_selector_section_keeps_the_users_cache_dir(monkeypatch, tmp_path):
+    if bench.peer_api("fp8ref.linear", "linear")[0] is None:
+        pytest.skip("fp8ref.linear.linear is not available yet")
+    monkeypatch.setenv("FP8REF_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setenv("FP8REF_CANDIDATES", "reference")  # keep the probe short
+    s = bench.bench_selector("cpu", M=2, K=64, N=32, overhead_shape=(1, 32, 16), repeat=2, budget_s=0.1)
+    assert s["selected"] == s["selected_at_first_shape"] == "reference"
+    assert s["overhead_shape"] == [1, 32, 16]
+    assert s["dispatch_overhead_s"] == pytest.approx(s["auto_min_s"] - s["named_min_s"])
+    assert s["first_call_s"] >= s["first_selection_s"] >= 0
+    import os
+
+    assert os.environ["FP8REF_CACHE_DIR"] == str(tmp_path / "user-cache")
+    assert not (tmp_path / "user-cache").exists()  # the measurement used its own temporary cache
+
+
+def test_run_rejects_bad_device_and_sections():
+    with pytest.raises(ValueError, match="device"):
+        bench.run("tpu")
+    with pytest.raises(ValueError, match="sections"):
+        bench.run("cpu", sections=("ceilings", "nope"))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cuda"):
+            bench.run("cuda")
+
+
+def test_run_and_report_on_a_tiny_problem():
+    res = bench.run("cpu", quick=True, backends_only=["reference", "no-such-backend"], shapes=[(128, 64)],
+                    m_values=[2], sections=("ceilings", "linear"))
+    json.dumps(res)  # JSON-able as is
+    assert res["backends"] == ["reference"] and res["backends_skipped"]["no-such-backend"] == "not registered"
+    assert res["linear"][0]["backends"]["reference"]["frac_of_peak"] > 0
+    text = bench.format_report(res)
+    assert "memory copy" in text and "bf16 GEMM peak" in text and "reference" in text
+    assert "speed-up over bf16 F.linear" in text
+
+
+def test_report_formats_every_section():
+    res = {
+        "meta": {"device": "cpu", "torch": "x", "cpu_count": 2, "torch_threads": 2, "date_utc": "d",
+                 "loadavg_start": [1.0, 0, 0], "loadavg_end": [2.0, 0, 0], "elapsed_s": 3.0},
+        "backends_skipped": {"triton": "unavailable: no CUDA"},
+        "copy": {"gbps": 10.0}, "bf16_peak": {"gflops": 100.0, "n": 2048},
+        "quant": [{"backend": "b", "quant": "per-token", "shape": [2, 3], "gbps": 5.0, "frac_of_copy": 0.5},
+                  {"backend": "b", "quant": "per-tensor", "shape": [2, 3], "skipped": "no"}],
+        "linear": [{"K": 8, "N": 8, "M": 1, "bf16_s": 1e-3, "bf16_frac_of_peak": 0.25, "fastest": "b",
+                    "auto_over_fastest": 1.01,
+                    "backends": {"b": {"speedup_vs_bf16": 1.5, "frac_of_peak": 0.375, "gemm_speedup_vs_bf16": 2.0},
+                                 "auto": {"skipped": "x"}}}],
+        "reference": {"scaled_mm": {"M": 128, "K": 4096, "N": 4096}, "scaled_mm_over_fp32_linear": 2.8,
+                      "target_scaled_mm_over_fp32_linear": 3.0,
+                      "quantize": {"shape": [4096, 4096], "gbps": 0.1}},
+        "selector": {"M": 16, "K": 8, "N": 8, "first_selection_s": 0.5, "disk_lookup_s": 0.01,
+                     "overhead_shape": [1, 4, 4], "dispatch_overhead_s": 2e-6, "auto_min_s": 1e-4,
+                     "selected": "b", "selected_at_first_shape": "c"},
+        "conformance": [{"backend": "b", "profile": "dev", "examples_per_s": 10.0, "examples": 20, "seconds": 2.0,
+                         "passed": True}, {"backend": "c", "skipped": "not available"}],
+    }
+    text = bench.format_report(res)
+    for s in ("50.0", "1.500/ 37.5%", "1.010 (b)", "2.80 x fp32 F.linear (target <= 3)", "2.0 us per call",
+              "10.0 examples/s", "first selection (probe + timing) at M=16 K=8 N=8: 500.0 ms", "(picks c)",
+              "dispatch overhead at M=1 K=4 N=4: 2.0 us per call (2.0 % of the auto call)",
+              "triton (unavailable: no CUDA)", "load average at start 1.00, at end 2.00",
+              "K=8 N=8 M=1 b: 2.000", "skipped: no", "picks b"):
+        assert s in text, s
+
+
+def test_cli_bench_writes_json(tmp_path, capsys):
+    out = tmp_path / "sub" / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["bench", "--quick", "--threads", "1", "--backend", "reference", "--shape", "128x64", "--m", "1,2",
+                   "--sections", "ceilings,linear", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [r["M"] for r in res["linear"]] == [1, 2] and res["meta"]["torch_threads"] == 1
+    assert res["meta"]["command"] == ("fp8ref bench --device cpu --quick --threads 1 --backend reference "
+                                      f"--shape 128x64 --m 1,2 --sections ceilings,linear --json {out}")
+    assert "speed-up over bf16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--shape", "4096"], ["--shape", "0x4"], ["--m", "1,x"], ["--m", "0"],
+                                  ["--sections", "linear,nope"], ["--device", "tpu"], ["--threads", "0"]])
+def test_cli_bench_rejects_bad_options(argv):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cli_bench_cuda_without_cuda_says_so(capsys):
+    assert main(["bench", "--device", "cuda", "--quick"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_quant_schemes_cover_the_issue():
+    names = {q: (role, s) for q, role, s in bench.QUANT_SCHEMES}
+    assert names["per-token"] == ("activation", W8A8_FP8.activation)
+    assert names["per-group128"][1].group_size == 128
+    assert names["per-tensor"][1].granularity.value == "tensor"
+    assert names["per-channel"] == ("weight", W8A8_FP8.weight)
+    assert names["block128x128"][1].block == (128, 128)
+    assert bench.LLAMA3_8B_SHAPES == ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144))
+    assert bench.M_VALUES == (1, 16, 128, 1024)
+
+
+@pytest.mark.parametrize("name", ["fp8ref.bench", "fp8ref.gpu_check"])
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def _load_bench_conftest():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("fp8ref_benchmarks_conftest", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _FakeBenchmark:
+    def __init__(self, median):
+        self.extra_info = {}
+        self.stats = None if median is None else type("M", (), {"stats": type("S", (), {"median": median})()})()
+
+
+def test_benchmarks_ratio_board():
+    board = _load_bench_conftest().RatioBoard()
+    base, fast, off = _FakeBenchmark(2.0), _FakeBenchmark(0.5), _FakeBenchmark(None)
+    board.record(base, "g", "copy", work=4e9, unit="B", baseline=True)
+    board.record(fast, "g", "quantize", work=1e9, unit="B")
+    board.record(off, "g", "disabled", work=1e9, unit="B")  # benchmarks disabled: nothing recorded
+    assert base.extra_info == {"B_per_s": 2e9}
+    assert fast.extra_info == {"B_per_s": 2e9, "throughput_over_baseline": 1.0, "time_over_baseline": 0.25,
+                               "baseline": "copy"}
+    assert off.extra_info == {}
+    text = "\n".join(board.lines())
+    assert "g  (baseline: copy)" in text and "throughput x1.000 of baseline, time x0.250" in text
+    assert "disabled" not in text
+
+
+def test_linear_auto_errors_and_m_order(monkeypatch):
+    def broken_linear(*args, **kwargs):
+        raise RuntimeError("no backend is compliant")
+
+    monkeypatch.setattr(bench, "_linear_api", lambda: (broken_linear, None))
+    rows = bench.bench_linear("cpu", ["reference"], shapes=[(64, 32)], m_values=[4, 1], repeat=1, budget_s=0.05)
+    assert [r["M"] for r in rows] == [1, 4]  # ascending, so max_call_s skips only larger M
+    assert all("no backend is compliant" in r["backends"]["auto"]["error"] for r in rows)
+    assert all("seconds" in r["backends"]["reference"] for r in rows)
+    monkeypatch.setattr(bench, "_linear_api", lambda: (None, "fp8ref.linear.linear is not available: test"))
+    rows = bench.bench_linear("cpu", ["reference"], shapes=[(64, 32)], m_values=[1], repeat=1, budget_s=0.05)
+    assert rows[0]["backends"]["auto"] == {"skipped": "fp8ref.linear.linear is not available: test"}
