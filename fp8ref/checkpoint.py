@@ -17,15 +17,14 @@ then ``os.replace``, so a crash never leaves a half-written checkpoint under the
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ._io import atomic_write
 from .formats import E4M3FN
 from .nn import Fp8Linear
 from .quant import Quantized
@@ -79,18 +78,7 @@ def _check_layout(name: str, recipe: Recipe) -> None:
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def save_fp8_dynamic(model: nn.Module, path: str | os.PathLike) -> dict:

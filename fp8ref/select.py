@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import statistics
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 
 from . import bounds
+from ._io import atomic_write
 from .bounds import PrecisionClass
 from .gemm import scaled_mm
 from .quant import Quantized, dequantize, quantize
@@ -692,17 +692,12 @@ def _write_disk(key: str, decision: Decision) -> None:
             data = _read_disk(path, warn=False) or {"schema": CACHE_SCHEMA, "fp8ref": _fp8ref_version(),
                                                      "entries": {}}
             data["entries"][key] = decision.to_json()
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
+
+            def _dump(tmp: str) -> None:
+                with open(tmp, "w") as f:
                     json.dump(data, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+
+            atomic_write(path, _dump)
     except OSError as exc:  # the cache is an optimisation: a read-only home must not break inference
         warnings.warn(f"fp8ref: cannot write selection cache {path}: {exc}", stacklevel=4)
 
