@@ -242,7 +242,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     elif bias is not None and bias.shape[0] != e.N:
         raise ValueError(f"bias must have shape ({e.N},), got {tuple(bias.shape)}")
     try:
-        y = d.backend.scaled_mm(d.backend.quantize(x2, d.scheme), d.prepared, bias, od)
+        y = d.backend.linear(x2, d.prepared, bias, od, d.scheme)
     except Exception as exc:
         if not d.auto:
             raise
@@ -260,7 +260,7 @@ def _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc):
         _select.mark_failed(d.backend.name, d.key, exc)
         d = _resolve_dispatch(e, x, M, bias, backend, precision, od, dkey)
         try:
-            return d.backend.scaled_mm(d.backend.quantize(x2, d.scheme), d.prepared, bias, od)
+            return d.backend.linear(x2, d.prepared, bias, od, d.scheme)
         except Exception as exc2:
             if d.backend.name == "reference":
                 raise

@@ -90,6 +90,23 @@ class Backend:
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} does not implement scaled_mm")
 
+    def linear(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16, scheme: QuantScheme | None = None) -> torch.Tensor:
+        """Optional fused hook: ``scaled_mm(quantize(x, scheme), w, bias, out_dtype)`` for a 2-D
+        ``x`` and a (prepared) weight ``w``; ``scheme`` defaults to ``W8A8_FP8.activation``.
+
+        ``fp8ref.linear``, the selector's probe and timing, and ``Fp8Linear`` call this, so a
+        backend can skip materialising the FP8 activation codes (the CPU backends write the
+        quantized values straight into their GEMM's input dtype). An override must return what the
+        two calls return, bit for bit: the conformance contract ``linear_matches_two_calls`` and
+        the selector's probe check it.
+        """
+        if scheme is None:
+            from .schemes import W8A8_FP8
+
+            scheme = W8A8_FP8.activation
+        return self.scaled_mm(self.quantize(x, scheme), w, bias, out_dtype)
+
     def prepare_weight(self, w: Quantized) -> Any:
         """Optional load-time hook: turn a quantized weight into whatever ``scaled_mm`` is fastest
         with (a layout change, a wider copy). The default keeps the Quantized as is."""

@@ -288,7 +288,7 @@ class ProbeResult:
     compliant: bool
     worst_ratio: float
     detail: str
-    call_seconds: float  #: time of one warm quantize + scaled_mm call at the probe's shape
+    call_seconds: float  #: time of one warm ``Backend.linear`` call at the probe's shape
     call_elements: int  #: M * N of one such call
     ratios: dict[str, float] = field(default_factory=dict)  #: worst error/bound per check
 
@@ -447,6 +447,17 @@ class _ProbeSet:
         return y_ref, gb
 
 
+def _same_output(y_lin: Any, y: Any, rows: tuple[int, int]) -> tuple[float, str]:
+    """``Backend.linear`` must return what ``scaled_mm(quantize(x))`` returns, bit for bit."""
+    if not isinstance(y_lin, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return 0.0, ""  # a non-tensor y is reported by the scaled_mm check
+    if y_lin.shape == y.shape and y_lin.dtype == y.dtype and torch.equal(
+            y_lin.detach().cpu().contiguous().view(torch.uint8), y.detach().cpu().contiguous().view(torch.uint8)):
+        return 0.0, ""
+    return math.inf, (f"linear() differs from scaled_mm(quantize()) on rows {rows}: shape {tuple(y_lin.shape)} "
+                      f"{y_lin.dtype} vs {tuple(y.shape)} {y.dtype}")
+
+
 def _cat(qs: list[Quantized]) -> Quantized:
     return Quantized(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]), qs[0].scheme)
 
@@ -460,14 +471,16 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: _ProbeSet | None
     """Check ``backend`` against the spec's bounds at ``case``'s shape, on random plus adversarial
     inputs, and time its calls.
 
-    Two checks, each elementwise against a bound of ``fp8ref.bounds``, whose sum is the
+    Checks 1 and 2 are elementwise against a bound of ``fp8ref.bounds``, whose sum is the
     end-to-end contract (``linear_error_bound`` is built from exactly these two terms):
 
     1. ``backend.quantize`` of the activations: scales equal the reference's up to the fp32
        roundings of ``amax * (1/qmax)``, and ``|deq(q) - x| <= quantization_error_bound(x, q)``;
     2. ``backend.scaled_mm`` of *its own* quantized activations and the (prepared) reference-
        quantized weight, against the reference's scaled_mm of the same operands, within
-       ``gemm_error_bound`` for the backend's declared accumulation and output roundings.
+       ``gemm_error_bound`` for the backend's declared accumulation and output roundings;
+    3. ``backend.linear`` (the fused hook ``fp8ref.linear`` runs) returns the same bits as the
+       two calls of 1 and 2.
 
     Inputs: 16 activation rows (outlier channels, an all-zero row, rounding ties, huge dynamic
     range, a constant row, a single non-zero, +-qmax, random), fed in chunks of
@@ -510,6 +523,7 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: _ProbeSet | None
             note("quantize", _check_quantized(qa, ps.x[a:b], act))
             if math.isinf(worst["quantize"]):
                 break
+            note("scaled_mm", _same_output(backend.linear(xc_d, prepared, bias_d, od, act), y, (a, b)))
             qas.append(Quantized(qa.data.cpu(), qa.scale.cpu(), qa.scheme))
             ys.append(y.detach().cpu() if isinstance(y, torch.Tensor) else y)
         # One more call, warm (a first call may compile or autotune): the basis of the estimate
@@ -517,7 +531,7 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: _ProbeSet | None
         xc_d = ps.x[ps.chunks[0][0]:ps.chunks[0][1]].to(dev)
         _sync(dev)
         t0 = time.perf_counter()
-        backend.scaled_mm(backend.quantize(xc_d, act), prepared, bias_d, od)
+        backend.linear(xc_d, prepared, bias_d, od, act)
         _sync(dev)
         warm_t = time.perf_counter() - t0
         if not math.isinf(worst["quantize"]):
@@ -590,7 +604,7 @@ def _time(backend: Backend, case: Case, best: float | None) -> tuple[float, int,
     def once() -> float:
         _sync(dev)
         t0 = time.perf_counter()
-        backend.scaled_mm(backend.quantize(x, act), prepared, bias, od)
+        backend.linear(x, prepared, bias, od, act)
         _sync(dev)
         return time.perf_counter() - t0
 

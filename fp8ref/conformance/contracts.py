@@ -480,6 +480,28 @@ def check_linear_bound(backend: Backend, p: fst.LinearProblem) -> float:
     return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound)", y, y_true, bound)
 
 
+def check_linear_matches_two_calls(backend: Backend, p: fst.LinearProblem) -> float:
+    """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
+    returns, bit for bit, on the weight prepared by ``prepare_weight``."""
+    _require(backend, p.case())
+    x, w, bias = p.build()
+    _ref_quantize(x, p.recipe.activation)
+    qw = _ref_quantize(w, p.recipe.weight)
+    prepared = backend.prepare_weight(_to_device(qw, x.device))
+    y2 = backend.scaled_mm(_quantize(backend, x, p.recipe.activation), prepared, bias, p.out_dtype)
+    y1 = backend.linear(x, prepared, bias, p.out_dtype, p.recipe.activation)
+    if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
+        raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
+                                f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
+    if not _same_bits(y1, y2):
+        raise ContractViolation(f"linear differs from scaled_mm(quantize): {_first_diff(y1, y2)}")
+    return 0.0
+
+
+def _to_device(q: Quantized, device) -> Quantized:
+    return q if q.data.device == device else Quantized(q.data.to(device), q.scale.to(device), q.scheme)
+
+
 # --------------------------------------------------------------------------------------------
 # pinned examples
 
@@ -566,6 +588,9 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract("linear.bound", "linear", "bounded",
              "quantize x and w, scaled_mm: within the end-to-end bound of the unquantized float64 linear",
              "linear_error_bound", lambda prof: fst.linear_problems(prof), check_linear_bound, _L_EX),
+    Contract("linear.matches_two_calls", "linear", "exact",
+             "the fused Backend.linear hook returns scaled_mm(quantize(x)) bit for bit",
+             "bit-exact", lambda prof: fst.linear_problems(prof), check_linear_matches_two_calls, _L_EX),
     Contract("scaled_mm.batch_invariant", _G, "info",
              "row i computed alone equals row i of the batch (reported yes/no, never a failure)",
              "bit-exact", _gp(), check_scaled_mm_batch_invariant, _G_EX),

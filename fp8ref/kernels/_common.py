@@ -6,6 +6,7 @@ Nothing here is part of the spec; every function is checked against ``fp8ref.qua
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,34 @@ def pad_weight(data: torch.Tensor, multiple: int) -> torch.Tensor:
     return out
 
 
+def native():
+    """The compiled CPU extension (``fp8ref.kernels.cpu_fp8.native``) or None."""
+    from .cpu_fp8 import native as _native  # lazy: cpu_fp8 imports this module
+
+    return _native()
+
+
+def native_format_args(scheme: QuantScheme) -> tuple[int, int, int, bool]:
+    """``(mantissa bits, exponent of the smallest normal, bias, has -0)`` for ``quant_rows``."""
+    f = scheme.format
+    return f.mantissa_bits, int(math.log2(f.smallest_normal)), f.bias, f.has_negative_zero
+
+
+def native_rows(x: torch.Tensor, scheme: QuantScheme, mode: int):
+    """Per-row dynamic quantization of a CPU ``x`` by the extension: ``(out, scale [rows, 1],
+    amax [rows, 1])`` with ``out`` the codes (mode 0, uint8), or the FP8 values as bf16 (1) or fp32
+    (2); None where the extension or the case does not apply. ``amax`` is +inf on a row holding
+    NaN or Inf (the caller raises)."""
+    if (scheme.granularity is not Granularity.ROW or not _fast_ok(scheme) or scheme.pow2_scale
+            or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or x.dim() != 2 or x.numel() == 0):
+        return None
+    mod = native()
+    if mod is None:
+        return None
+    return mod.quant_rows(x.contiguous(), scheme.qmax, scheme.amax_floor, *native_format_args(scheme), mode, True)
+
+
 def _fast_ok(scheme: QuantScheme) -> bool:
     return scheme.dynamic and scheme.scale_dtype == torch.float32
 
@@ -130,6 +159,12 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     rows, cols = x.shape
     if x.numel() == 0 or cols == 0:
         return quant.quantize(x, scheme)
+    got = native_rows(x, scheme, 0)
+    if got is not None:
+        codes, s, amax = got
+        if not bool(torch.isfinite(amax).all()):
+            quant.check_float_input(x)
+        return Quantized(codes.view(scheme.format.torch_dtype), s, scheme, 0)
     g = scheme.granularity
     if g is Granularity.ROW:
         amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)

@@ -47,7 +47,8 @@ from ..gemm import k_segments
 from ..quant import Quantized, check_float_input
 from ..registry import Backend, Case, register_backend
 from ..schemes import Granularity, QuantScheme
-from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, segment_scale, unwrap
+from ._common import (PreparedWeight, bias_fp32, check_mm_args, fast_quantize, native, native_rows, segment_scale,
+                      unwrap)
 
 __all__ = ["CpuWideBackend", "compile_enabled"]
 
@@ -105,6 +106,22 @@ def _widen(q: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
     conversion is the slower element-wise path, and compiled this is one fused pass (6.5 ms vs
     34-45 ms eager for 1024 x 4096 on one core, noisy machine)."""
     return q.to(torch.float32).to(wide)
+
+
+def _native_epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``_epilogue`` by the extension (one pass, same fp32 expressions, same single rounding), or
+    None where it does not apply (no extension; an output other than bf16/fp32)."""
+    if out_dtype not in (torch.bfloat16, torch.float32) or y.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    mod = native()
+    if mod is None:
+        return None
+    M, N = y.shape
+    sa = sa.reshape(-1).expand(M).contiguous()
+    sb = sb.reshape(-1).expand(N).contiguous()
+    return mod.scale_epilogue(y.contiguous(), sa, sb, sa if bias is None else bias.contiguous(), bias is not None,
+                              out_dtype == torch.bfloat16)
 
 
 def _epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,
@@ -253,10 +270,7 @@ class CpuWideBackend(Backend):
         if len(segs) == 1:
             sa = segment_scale(a, 0).reshape(-1, 1)
             sb = segment_scale(b, 0).reshape(1, -1)
-            y = self._gemm(a_wide, w)
-            if self.compile:
-                return _COMPILED.run("epilogue", _epilogue, y, sa, sb, bias32, out_dtype)
-            return _epilogue(y, sa, sb, bias32, out_dtype)
+            return self._finish(self._gemm(a_wide, w), sa, sb, bias32, out_dtype)
         # One GEMM per K-segment; y accumulates the scaled segment sums in fp32.
         y = torch.zeros(a_wide.shape[0], w.shape[0], dtype=torch.float32, device=a_wide.device)
         for k0, k1 in segs:
@@ -298,7 +312,10 @@ class CpuWideBackend(Backend):
             raise ValueError(f"{self.name} runs on CPU tensors only, got {x.device}")
         check_mm_args(b, b, bias, out_dtype)  # bias and out_dtype checks against the weight
         args = (x, scheme.qmax, scheme.amax_floor, scheme.format.torch_dtype, self.wide)
-        if self.compile:
+        got = native_rows(x, scheme, 1 if self.wide == torch.bfloat16 else 2)
+        if got is not None:
+            a_wide, sa, amax = got
+        elif self.compile:
             a_wide, sa, amax = _COMPILED.run("wide", _quant_wide, *args)
         else:
             a_wide, sa, amax = _quant_wide(*args)
@@ -307,9 +324,15 @@ class CpuWideBackend(Backend):
         wide = extra.get("wide")
         if wide is None:
             wide = b.data.to(self.wide)
-        y = self._gemm(a_wide, wide)
         sb = segment_scale(b, 0).reshape(1, -1)
-        bias32 = bias_fp32(bias, x.device)
+        return self._finish(self._gemm(a_wide, wide), sa, sb, bias_fp32(bias, x.device), out_dtype)
+
+    def _finish(self, y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias32: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """The epilogue: the extension's one pass where it applies, else compiled or eager torch."""
+        out = _native_epilogue(y, sa, sb, bias32, out_dtype)
+        if out is not None:
+            return out
         if self.compile:
             return _COMPILED.run("epilogue", _epilogue, y, sa, sb, bias32, out_dtype)
         return _epilogue(y, sa, sb, bias32, out_dtype)

@@ -1,0 +1,249 @@
+"""The compiled CPU extension's fused pieces against the spec, bit for bit.
+
+``quant_rows`` (per-row dynamic quantization to codes, or to the exact FP8 values in bf16/fp32),
+``scale_epilogue`` (the CPU backends' fp32 scale-and-bias epilogue), the packed ``cpu-fp8`` GEMM
+and ``Backend.linear`` — every one claims to compute the spec's expressions in the spec's order,
+so each is compared for *equal bits* (quantization, epilogue) or against the derived fp32 bound
+(GEMM, whose summation order is its own). Skipped with the reason when the extension is not built
+(``python -m fp8ref.kernels.cpu_fp8``).
+"""
+
+import math
+
+import pytest
+import torch
+
+import fp8ref
+from fp8ref import bounds, gemm, quant
+from fp8ref.formats import E4M3FN, E4M3FNUZ, E5M2
+from fp8ref.kernels import _common, cpu, cpu_fp8
+from fp8ref.schemes import QuantScheme
+
+
+@pytest.fixture(scope="module")
+def mod():
+    cpu_fp8.reset_native()
+    m = cpu_fp8.native()
+    if m is None:
+        pytest.skip(cpu_fp8.CpuFp8Backend().available() or "FP8REF_NATIVE=0")
+    return m
+
+
+FORMATS = {"e4m3fn": E4M3FN, "e5m2": E5M2, "e4m3fnuz": E4M3FNUZ}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(fmt, dtype, seed):
+    """Rows that exercise every rounding path: exact ties of the FP8 grid (both parities), the
+    subnormal range and its boundary, saturation at +-qmax, zeros and -0, a zero row, a huge
+    dynamic range, and an odd K (vector body plus scalar tail)."""
+    g = torch.Generator().manual_seed(seed)
+    K = 203
+    rows = [torch.randn(K, generator=g) * 10.0 ** float(torch.randint(-6, 6, (1,), generator=g))
+            for _ in range(4)]
+    grid = torch.as_tensor(fmt.code_values()).to(torch.float64)
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = ((grid[1:] + grid[:-1]) / 2)  # exact midpoints: ties, in float64
+    tie = torch.cat([mids, grid]).to(torch.float32)
+    tie = torch.cat([tie, torch.full((1,), fmt.max)])  # amax = max: scale exactly 1
+    rows.append(tie[:K] if tie.numel() >= K else torch.cat([tie, torch.zeros(K - tie.numel())]))
+    rows.append(-rows[-1])
+    sub = torch.linspace(-4 * fmt.smallest_normal, 4 * fmt.smallest_normal, K)
+    sub[0] = fmt.max  # scale 1, so the rest lands in the subnormal range
+    rows.append(sub)
+    rows.append(torch.zeros(K))
+    z = torch.zeros(K)
+    z[5] = -0.0
+    z[7] = 3.0
+    rows.append(z)
+    x = torch.stack(rows)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "scalar"])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
+def test_quant_rows_equals_spec(mod, fmt, dtype, vector):
+    f = FORMATS[fmt]
+    for seed, scheme in enumerate([QuantScheme(format=fmt), QuantScheme(format=fmt, amax_floor=0.0),
+                                   QuantScheme(format=fmt, qmax=f.max / 2)]):
+        x = _inputs(f, DTYPES[dtype], seed)
+        if not bool(torch.isfinite(x).all()):
+            x = torch.nan_to_num(x, posinf=0.0, neginf=0.0)  # fp16 cannot hold E5M2's max
+        ref = quant.quantize(x, scheme)
+        args = (scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme))
+        for mode in (0, 1, 2):
+            out, s, amax = mod.quant_rows(x.contiguous(), *args, mode, vector)
+            assert torch.equal(s, ref.scale), (mode, scheme)
+            assert bool(torch.isfinite(amax).all())
+            if mode == 0:
+                assert torch.equal(out, ref.data.view(torch.uint8)), (mode, scheme)
+            else:
+                vals = ref.data.to(torch.float32)
+                assert out.dtype == (torch.bfloat16 if mode == 1 else torch.float32)
+                assert torch.equal(out.to(torch.float32), vals)
+                assert torch.equal(torch.signbit(out.to(torch.float32)), torch.signbit(vals)), "sign of zero"
+
+
+def test_quant_rows_random_many_shapes(mod):
+    """10^5-ish random elements over shapes with K from 1 to 300 (vector tails of every length)."""
+    g = torch.Generator().manual_seed(0)
+    scheme = QuantScheme()
+    for K in list(range(1, 40)) + [127, 128, 129, 300]:
+        x = (torch.randn(7, K, generator=g) * torch.exp(torch.randn(7, 1, generator=g) * 6)).to(torch.bfloat16)
+        out, s, _ = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 0, True)
+        ref = quant.quantize(x, scheme)
+        assert torch.equal(out, ref.data.view(torch.uint8)) and torch.equal(s, ref.scale), K
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_quant_rows_flags_non_finite_rows_and_fast_quantize_raises(mod, bad):
+    x = torch.randn(3, 40)
+    x[1, 37] = bad  # in the scalar tail of the vector path
+    scheme = QuantScheme()
+    _, _, amax = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 1, True)
+    assert math.isinf(float(amax[1])) and bool(torch.isfinite(amax[[0, 2]]).all())
+    x[1, 37] = 0.0
+    x[2, 3] = bad  # in the vector body
+    _, _, amax = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 1, True)
+    assert math.isinf(float(amax[2]))
+    with pytest.raises(ValueError, match="NaN|Inf|finite"):
+        _common.fast_quantize(x, scheme)
+    with pytest.raises(ValueError, match="NaN|Inf|finite"):
+        fp8ref.get_backend("cpu-bf16").linear(x.to(torch.bfloat16), _weight(40, 8, "cpu-bf16"))
+
+
+def _weight(K, N, backend):
+    be = fp8ref.get_backend(backend)
+    return be.prepare_weight(quant.quantize(torch.randn(N, K), fp8ref.W8A8_FP8.weight))
+
+
+@pytest.mark.parametrize("out_bf16", [True, False], ids=["out-bf16", "out-fp32"])
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32], ids=["y-bf16", "y-fp32"])
+def test_scale_epilogue_equals_eager(mod, y_dtype, out_bf16):
+    g = torch.Generator().manual_seed(1)
+    y = (torch.randn(37, 53, generator=g) * 100).to(y_dtype)
+    y[0, :4] = torch.tensor([0.0, -0.0, 3e38, -3e38])  # zeros and overflow to +-inf after scaling
+    sa = torch.rand(37, 1, generator=g) * 4
+    sb = torch.rand(1, 53, generator=g) * 2
+    bias = torch.randn(53, generator=g)
+    out_dtype = torch.bfloat16 if out_bf16 else torch.float32
+    for b in (None, bias):
+        got = cpu._native_epilogue(y.clone(), sa, sb, b, out_dtype)
+        want = cpu._epilogue(y.clone(), sa, sb, b, out_dtype)
+        assert got.dtype == want.dtype
+        assert torch.equal(got.view(torch.int16 if out_bf16 else torch.int32),
+                           want.view(torch.int16 if out_bf16 else torch.int32))
+
+
+def test_scale_epilogue_rounds_nan_like_torch(mod):
+    y = torch.tensor([[math.nan, 1.0]], dtype=torch.float32)
+    got = mod.scale_epilogue(y, torch.ones(1), torch.ones(2), torch.ones(1), False, True)
+    assert math.isnan(float(got[0, 0])) and float(got[0, 1]) == 1.0
+
+
+@pytest.mark.parametrize("name", ["cpu-bf16", "cpu-fp32"])
+def test_cpu_linear_native_equals_eager(mod, monkeypatch, name):
+    """The extension's quantizer and epilogue change no bit of ``cpu-bf16`` / ``cpu-fp32``."""
+    be = fp8ref.get_backend(name)
+    g = torch.Generator().manual_seed(2)
+    for M, K, N, bias in [(1, 64, 32, False), (17, 203, 40, True), (64, 128, 96, False)]:
+        x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+        w = be.prepare_weight(quant.quantize(torch.randn(N, K, generator=g), fp8ref.W8A8_FP8.weight))
+        b = torch.randn(N, generator=g).to(torch.bfloat16) if bias else None
+        native = be.linear(x, w, b)
+        monkeypatch.setenv("FP8REF_NATIVE", "0")
+        cpu_fp8.reset_native()
+        try:
+            eager = be.linear(x, w, b)
+            two = be.scaled_mm(be.quantize(x, fp8ref.W8A8_FP8.activation), w, b)
+        finally:
+            monkeypatch.delenv("FP8REF_NATIVE")
+            cpu_fp8.reset_native()
+        assert torch.equal(native.view(torch.int16), eager.view(torch.int16))
+        assert torch.equal(native.view(torch.int16), two.view(torch.int16))
+
+
+def test_native_off_switch(monkeypatch):
+    monkeypatch.setenv("FP8REF_NATIVE", "0")
+    cpu_fp8.reset_native()
+    try:
+        assert cpu_fp8.native() is None
+        assert _common.native_rows(torch.randn(2, 8), QuantScheme(), 0) is None
+    finally:
+        monkeypatch.delenv("FP8REF_NATIVE")
+        cpu_fp8.reset_native()
+
+
+def test_pack_weight_layout():
+    """[N, K] -> [N/16, K/2, 16, 2]: byte (nb, p, j, t) is code (16 nb + j, 2 p + t), zero-padded."""
+    N, K = 37, 33
+    codes = torch.randint(0, 0x7F, (N, K), dtype=torch.uint8)
+    pb = cpu_fp8.pack_weight(codes)
+    assert tuple(pb.shape) == (3, 17, 16, 2)
+    for n, k in [(0, 0), (5, 7), (36, 32), (17, 31), (16, 1)]:
+        assert int(pb[n // 16, k // 2, n % 16, k % 2]) == int(codes[n, k])
+    assert int(pb[2, 16, 4, 1]) == 0 and int(pb[2, 0, 15, 0]) == 0  # K and N padding
+
+
+def test_packed_gemm_within_fp32_bound_at_every_row_count(mod):
+    """Row counts 1..17 and 33 (blocks of 16, 8 and every remainder), odd N and K (padding), bias."""
+    be = fp8ref.get_backend("cpu-fp8")
+    if not be._packed():
+        pytest.skip("no avx512_bf16 on this CPU: the packed path does not run")
+    g = torch.Generator().manual_seed(3)
+    N, K = 45, 77
+    qw = quant.quantize(torch.randn(N, K, generator=g), fp8ref.W8A8_FP8.weight)
+    w = be.prepare_weight(qw)
+    bias = torch.randn(N, generator=g)
+    for M in list(range(1, 18)) + [33]:
+        qa = quant.quantize(torch.randn(M, K, generator=g) * 5, fp8ref.W8A8_FP8.activation)
+        for b in (None, bias):
+            y = be.scaled_mm(qa, w, b, out_dtype=torch.float32)
+            ref = gemm.scaled_mm(qa, qw, b, out_dtype=torch.float64)
+            bound = bounds.gemm_error_bound(qa, qw, b, out_dtype=torch.float32, accumulation=be.accumulation,
+                                            output_roundings=be.output_roundings, y_ref=ref)
+            assert bool(((y.to(torch.float64) - ref).abs() <= bound).all()), M
+            y_unprepared = be.scaled_mm(qa, qw, b, out_dtype=torch.float32)  # packs on the fly
+            assert torch.equal(y, y_unprepared)
+
+
+class _TwoCalls(fp8ref.Backend):
+    name = "test-two-calls"
+
+    def quantize(self, x, scheme):
+        return quant.quantize(x, scheme)
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        return gemm.scaled_mm(a, b, bias, out_dtype=out_dtype)
+
+
+class _BadLinear(_TwoCalls):
+    name = "test-bad-linear"
+
+    def linear(self, x, w, bias=None, out_dtype=torch.bfloat16, scheme=None):
+        y = super().linear(x, w, bias, out_dtype, scheme)
+        return y * (1 + 2.0 ** -7)  # one bf16 ulp off: within no bound it could claim to be exact
+
+
+def test_backend_linear_default_is_the_two_calls():
+    be = _TwoCalls()
+    x = torch.randn(3, 32)
+    qw = quant.quantize(torch.randn(8, 32), fp8ref.W8A8_FP8.weight)
+    y = be.linear(x, qw)
+    assert torch.equal(y, gemm.scaled_mm(quant.quantize(x, fp8ref.W8A8_FP8.activation), qw))
+
+
+def test_probe_and_contract_reject_a_linear_that_differs():
+    from fp8ref.conformance import contracts, strategies
+    from fp8ref.select import probe
+
+    case = fp8ref.Case(4, 32, 64, fp8ref.W8A8_FP8)
+    assert probe(_TwoCalls(), case).compliant
+    res = probe(_BadLinear(), case)
+    assert not res.compliant and "linear() differs" in res.detail
+    p = contracts._L_EX[0]
+    assert contracts.check_linear_matches_two_calls(_TwoCalls(), p) == 0.0
+    with pytest.raises(contracts.ContractViolation, match="linear differs"):
+        contracts.check_linear_matches_two_calls(_BadLinear(), p)
+    assert isinstance(p, strategies.LinearProblem)
