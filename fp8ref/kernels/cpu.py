@@ -47,8 +47,7 @@ from ..gemm import k_segments
 from ..quant import Quantized, check_float_input
 from ..registry import Backend, Case, register_backend
 from ..schemes import Granularity, QuantScheme
-from ._common import (PreparedWeight, bias_fp32, check_mm_args, fast_quantize, native, native_rows, segment_scale,
-                      unwrap)
+from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, native, native_rows, segment_scale, unwrap
 
 __all__ = ["CpuWideBackend", "compile_enabled"]
 

@@ -601,7 +601,8 @@ def build(verbose: bool = False):
             from torch.utils.cpp_extension import load_inline
 
             try:
-                _module = load_inline(_NAME, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
+                _module = load_inline(_NAME, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                      verbose=verbose)
             except Exception as exc:  # a failed build makes the backend unavailable, with the reason
                 _error = f"building the cpu-fp8 kernel failed: {exc!r}"
                 raise RuntimeError(_error) from exc
