@@ -555,8 +555,7 @@ def bench_linear(device: str = "cpu", backend_names: Sequence[str | Backend] = (
 
                     def call(pair=pair, backend=backend, pws=pws):
                         x, wi = pair()
-                        return backend.scaled_mm(backend.quantize(x, recipe.activation), pws[wi], None,
-                                                 torch.bfloat16)
+                        return backend.linear(x, pws[wi], None, torch.bfloat16, recipe.activation)
 
                     t = timeit(call, device=device, repeat=repeat, budget_s=budget_s)
                     entry.update(seconds=t.median_s, speedup_vs_bf16=tb.median_s / t.median_s,

@@ -327,3 +327,40 @@ def test_cli_select_and_backends(fakes, capsys):
     assert main(["select", "--M", "4", "--N", "48", "--K", "64", "--candidates", "t-good,t-twice"]) == 0
     out = capsys.readouterr().out
     assert "source: memory" in out and "<==" in out
+
+
+def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
+    """A burst of load during the fast backend's sequential timing window (simulated: its
+    sequential median reads 2x too slow) must not hand the decision to the slower one: the
+    interleaved run-off re-times both under the same conditions."""
+    fast, slow = Good("t-fast", delay=0.001), Good("t-slower", delay=0.003)
+    for b in (fast, slow):
+        fp8ref.register_backend(b, replace=True)
+    real_time = sel._time
+
+    def bursty(b, case, best):
+        med, runs, note = real_time(b, case, best)
+        return (med * 4 if b.name == "t-fast" else med), runs, note
+
+    monkeypatch.setattr(sel, "_time", bursty)
+    try:
+        d = sel.select(CASE, candidates=["t-fast", "t-slower"], refresh=True)
+    finally:
+        for b in (fast, slow):
+            fp8ref.unregister_backend(b.name)
+    assert d.chosen == "t-fast", d.table()
+    assert "run-off" in _row(d, "t-fast").note and "run-off" in _row(d, "t-slower").note
+    assert _row(d, "t-fast").median_s < _row(d, "t-slower").median_s
+
+
+def test_runoff_skips_backends_far_behind(fakes):
+    fast, slow = Good("t-fast", delay=0.0), Good("t-slower", delay=0.02)
+    for b in (fast, slow):
+        fp8ref.register_backend(b, replace=True)
+    try:
+        d = sel.select(CASE, candidates=["t-fast", "t-slower"], refresh=True)
+    finally:
+        for b in (fast, slow):
+            fp8ref.unregister_backend(b.name)
+    assert d.chosen == "t-fast"
+    assert "run-off" not in _row(d, "t-slower").note
