@@ -176,14 +176,47 @@ def test_native_off_switch(monkeypatch):
 
 
 def test_pack_weight_layout():
-    """[N, K] -> [N/16, K/2, 16, 2]: byte (nb, p, j, t) is code (16 nb + j, 2 p + t), zero-padded."""
+    """[N, K] -> [N/16, K/2, 16, 2]: byte (nb, p, j, t) is code (16 nb + j, 2 p + t), zero-padded;
+    ``special`` flags the 32-byte groups holding a zero or subnormal magnitude."""
     N, K = 37, 33
-    codes = torch.randint(0, 0x7F, (N, K), dtype=torch.uint8)
-    pb = cpu_fp8.pack_weight(codes)
-    assert tuple(pb.shape) == (3, 17, 16, 2)
+    codes = torch.randint(8, 0x7F, (N, K), dtype=torch.uint8)  # no zero, no subnormal
+    codes[5, 7] = 0x83  # a negative subnormal: group (0, 3)
+    pb, special = cpu_fp8.pack_weight(codes)
+    assert tuple(pb.shape) == (3, 17, 16, 2) and tuple(special.shape) == (3, 17)
     for n, k in [(0, 0), (5, 7), (36, 32), (17, 31), (16, 1)]:
         assert int(pb[n // 16, k // 2, n % 16, k % 2]) == int(codes[n, k])
     assert int(pb[2, 16, 4, 1]) == 0 and int(pb[2, 0, 15, 0]) == 0  # K and N padding
+    want = torch.zeros(3, 17, dtype=torch.uint8)
+    want[0, 3] = 1
+    want[:, 16] = 1  # the K padding column (zeros)
+    want[2, :] = 1  # rows 37..47 are zero padding
+    assert torch.equal(special, want)
+
+
+def test_packed_fast_decoding_equals_table_decoding(mod):
+    """Groups flagged normal skip the table lookup: forcing the lookup everywhere changes no bit."""
+    be = fp8ref.get_backend("cpu-fp8")
+    if not be._packed():
+        pytest.skip("no avx512_bf16 on this CPU: the packed path does not run")
+    g = torch.Generator().manual_seed(4)
+    N, K, M = 64, 256, 16
+    codes = torch.randint(0, 0x7F, (N, K), generator=g, dtype=torch.uint8)
+    codes |= torch.randint(0, 2, (N, K), generator=g, dtype=torch.uint8) << 7
+    codes[:, :128] = torch.randint(8, 0x7F, (N, 128), generator=g, dtype=torch.uint8) | (codes[:, :128] & 0x80)
+    # (the first half holds no zero or subnormal magnitude: fast groups; no NaN code 0x7F anywhere)
+    pb, special = cpu_fp8.pack_weight(codes)
+    assert 0 < int(special.sum()) < special.numel()
+    a = torch.randint(0, 0x7F, (M, K), generator=g, dtype=torch.uint8)
+    ones = torch.ones(M)
+    y_fast = mod.fp8_e4m3_gemm_packed(a, pb, special, N, ones, torch.ones(N), ones, False)
+    y_table = mod.fp8_e4m3_gemm_packed(a, pb, torch.ones_like(special), N, ones, torch.ones(N), ones, False)
+    assert torch.equal(y_fast.view(torch.int32), y_table.view(torch.int32))
+    ref = a.view(torch.float8_e4m3fn).to(torch.float64) @ codes.view(torch.float8_e4m3fn).to(torch.float64).T
+    qa = quant.Quantized(a.view(torch.float8_e4m3fn), torch.ones(1, 1), QuantScheme(granularity="tensor"))
+    qb = quant.Quantized(codes.view(torch.float8_e4m3fn), torch.ones(1, 1), QuantScheme(granularity="tensor"))
+    bound = bounds.gemm_error_bound(qa, qb, None, out_dtype=torch.float32, accumulation=be.accumulation,
+                                    output_roundings=1, y_ref=ref)
+    assert bool(((y_fast.to(torch.float64) - ref).abs() <= bound).all())
 
 
 def test_packed_gemm_within_fp32_bound_at_every_row_count(mod):

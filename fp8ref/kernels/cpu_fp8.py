@@ -118,11 +118,20 @@ static inline __m512i decode32_bf16(const uint8_t* p) {
                                          0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0x0000);
   const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
   const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
-  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
-  const __m512i sub = _mm512_permutexvar_epi16(mag, table);
-  const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
-  const __m512i bits = _mm512_mask_blend_epi16(is_sub, normal, sub);
-  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
+  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+  bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag, table);
+  // bits | ((c << 8) & 0x8000): the sign, in one ternary-logic op (0xF8 = A | (B & C))
+  return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(c, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+
+// The same for 32 codes that hold no zero or subnormal magnitude (pack_weight flags those groups):
+// the exponent rebias alone, no table lookup.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static inline __m512i decode32_bf16_normal(const uint8_t* p) {
+  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  const __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x7F)), 4),
+                                        _mm512_set1_epi16(0x3C00));
+  return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(c, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
 }
 
 static inline uint16_t bf16_of_code(uint8_t c) {  // the exact value's bf16 bits (<= 4 significant bits)
@@ -164,12 +173,13 @@ static inline void dpbf16_bcast(__m512& acc, __m512bh b, const uint32_t* a) {
 
 template <int MM>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-static void packed_block(const uint32_t* apair, int64_t lda, int64_t K2, const uint8_t* pb, float* out, int64_t ldo) {
+static void packed_block(const uint32_t* apair, int64_t lda, int64_t K2, const uint8_t* pb, const uint8_t* special,
+                         float* out, int64_t ldo) {
   __m512 s[MM];
 #pragma GCC unroll 16
   for (int i = 0; i < MM; ++i) s[i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K2; ++p) {
-    const __m512bh bv = (__m512bh)decode32_bf16(pb + p * 32);
+    const __m512bh bv = (__m512bh)(special[p] ? decode32_bf16(pb + p * 32) : decode32_bf16_normal(pb + p * 32));
 #pragma GCC unroll 16
     for (int i = 0; i < MM; ++i)
       dpbf16_bcast(s[i], bv, apair + p * lda + i);
@@ -179,21 +189,22 @@ static void packed_block(const uint32_t* apair, int64_t lda, int64_t K2, const u
 }
 
 // apair is [K2][M] (p-major): the rows' pairs for one K-step share a cache line.
-static void packed_rows(const uint32_t* apair, int64_t M, int64_t K2, const uint8_t* pb, float* out, int64_t ldo) {
+static void packed_rows(const uint32_t* apair, int64_t M, int64_t K2, const uint8_t* pb, const uint8_t* sp, float* out,
+                        int64_t ldo) {
   int64_t m = 0;
-  for (; m + 16 <= M; m += 16) packed_block<16>(apair + m, M, K2, pb, out + m * ldo, ldo);
-  for (; m + 8 <= M; m += 8) packed_block<8>(apair + m, M, K2, pb, out + m * ldo, ldo);
+  for (; m + 16 <= M; m += 16) packed_block<16>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
+  for (; m + 8 <= M; m += 8) packed_block<8>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
   const uint32_t* ap = apair + m;
   float* op = out + m * ldo;
   switch (M - m) {
     case 0: break;
-    case 1: packed_block<1>(ap, M, K2, pb, op, ldo); break;
-    case 2: packed_block<2>(ap, M, K2, pb, op, ldo); break;
-    case 3: packed_block<3>(ap, M, K2, pb, op, ldo); break;
-    case 4: packed_block<4>(ap, M, K2, pb, op, ldo); break;
-    case 5: packed_block<5>(ap, M, K2, pb, op, ldo); break;
-    case 6: packed_block<6>(ap, M, K2, pb, op, ldo); break;
-    default: packed_block<7>(ap, M, K2, pb, op, ldo); break;
+    case 1: packed_block<1>(ap, M, K2, pb, sp, op, ldo); break;
+    case 2: packed_block<2>(ap, M, K2, pb, sp, op, ldo); break;
+    case 3: packed_block<3>(ap, M, K2, pb, sp, op, ldo); break;
+    case 4: packed_block<4>(ap, M, K2, pb, sp, op, ldo); break;
+    case 5: packed_block<5>(ap, M, K2, pb, sp, op, ldo); break;
+    case 6: packed_block<6>(ap, M, K2, pb, sp, op, ldo); break;
+    default: packed_block<7>(ap, M, K2, pb, sp, op, ldo); break;
   }
 }
 
@@ -203,13 +214,16 @@ bool has_bf16_dot() {
 }
 
 // a: [M, K] codes; pb: packed weight [N16, K2, 16, 2] codes; out[m, n] = (acc * sa[m]) * sb[n] (+ bias[n]), fp32.
-torch::Tensor fp8_e4m3_gemm_packed(torch::Tensor a, torch::Tensor pb, int64_t N, torch::Tensor sa, torch::Tensor sb,
-                                   torch::Tensor bias, bool has_bias) {
+torch::Tensor fp8_e4m3_gemm_packed(torch::Tensor a, torch::Tensor pb, torch::Tensor special, int64_t N,
+                                   torch::Tensor sa, torch::Tensor sb, torch::Tensor bias, bool has_bias) {
   TORCH_CHECK(has_bf16_dot(), "the packed cpu-fp8 path needs avx512_bf16");
   TORCH_CHECK(a.dtype() == torch::kUInt8 && pb.dtype() == torch::kUInt8, "codes must be uint8 views");
   TORCH_CHECK(a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4, "contiguous a, packed [N16, K2, 16, 2] b");
   const int64_t M = a.size(0), K = a.size(1), N16 = pb.size(0), K2 = pb.size(1);
   TORCH_CHECK(K2 == (K + 1) / 2 && N16 == (N + 15) / 16 && pb.size(2) == 16 && pb.size(3) == 2, "packed shape");
+  TORCH_CHECK(special.dtype() == torch::kUInt8 && special.is_contiguous() && special.numel() == N16 * K2,
+              "special must be uint8 [N16, K2]");
+  const uint8_t* spp = special.data_ptr<uint8_t>();
   auto out = torch::empty({M, N}, torch::dtype(torch::kFloat32));
   if (M == 0 || N == 0) return out;
   std::vector<uint32_t> apair(K2 * M, 0);  // [p][m]: (a[m, 2p], a[m, 2p + 1]) as bf16 bits, zero-padded
@@ -225,7 +239,7 @@ torch::Tensor fp8_e4m3_gemm_packed(torch::Tensor a, torch::Tensor pb, int64_t N,
   at::parallel_for(0, N16, 4, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * 16);
     for (int64_t nb = b0; nb < b1; ++nb) {
-      packed_rows(apair.data(), M, K2, pbp + nb * K2 * 32, acc.data(), 16);
+      packed_rows(apair.data(), M, K2, pbp + nb * K2 * 32, spp + nb * K2, acc.data(), 16);
       const int64_t n0 = nb * 16, n1 = std::min(N, n0 + 16);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) {
@@ -569,12 +583,18 @@ def _built() -> bool:
         return False
 
 
-def pack_weight(codes: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` uint8 codes -> ``[ceil(N/16), ceil(K/2), 16, 2]``, zero-padded (zero codes add exact
-    zeros): 32 consecutive bytes are 16 output columns x 2 K-steps, one ``vdpbf16ps`` operand."""
+def pack_weight(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` uint8 codes -> ``(packed, special)``.
+
+    ``packed`` is ``[ceil(N/16), ceil(K/2), 16, 2]``, zero-padded (zero codes add exact zeros): 32
+    consecutive bytes are 16 output columns x 2 K-steps, one ``vdpbf16ps`` operand. ``special``
+    is ``[ceil(N/16), ceil(K/2)]`` uint8, 1 where those 32 bytes hold a zero or subnormal magnitude
+    (the kernel then decodes them with the table lookup; other groups skip it)."""
     N, K = codes.shape
     c = torch.nn.functional.pad(codes, (0, K % 2, 0, (-N) % 16))
-    return c.view(c.shape[0] // 16, 16, c.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    packed = c.view(c.shape[0] // 16, 16, c.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    special = ((packed & 0x7F) < 8).view(packed.shape[0], packed.shape[1], 32).any(dim=2).to(torch.uint8)
+    return packed, special
 
 
 def _nan_codes(codes: torch.Tensor) -> bool:
@@ -735,7 +755,7 @@ class CpuFp8Backend(Backend):
             packed = extra.get("packed")
             if packed is None:
                 packed = pack_weight(codes)
-            y = mod.fp8_e4m3_gemm_packed(a.data.contiguous().view(torch.uint8), packed, N, sa, sb,
+            y = mod.fp8_e4m3_gemm_packed(a.data.contiguous().view(torch.uint8), *packed, N, sa, sb,
                                          b32 if b32 is not None else sa, b32 is not None)
             return y.to(out_dtype)
         y = mod.fp8_e4m3_gemm(a.data.contiguous().view(torch.uint8), codes, sa, sb,
