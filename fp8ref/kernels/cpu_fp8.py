@@ -1,24 +1,28 @@
 """The ``cpu-fp8`` backend: a C++ kernel that reads the 1-byte FP8 weights directly (decode / small M).
 
-For a few rows (decode) a linear layer is bound by reading the weight; a bf16 copy of the weight costs two
-bytes per element, the FP8 codes one. This kernel streams the ``[N, K]`` E4M3FN codes, decodes 16
-at a time (``(c & 0x7F) << 7 | sign << 15`` is the fp16 bit pattern of the value times 2**-8, for
-every finite code), and accumulates with fp32 FMAs against the decoded activations. Every product
-of two FP8 values is exact in fp32, so each FMA rounds once, like an fp32 addition; the epilogue
-``acc * 2**16 * sa * sb + bias`` is fp32 (the 2**16 is exact), and torch rounds the fp32 result once
-to ``out_dtype``: ``Accumulation.FP32``, ``output_roundings=1`` (strict class).
+For a few rows (decode) a linear layer is bound by reading the weight; a bf16 copy of the weight costs
+two bytes per element, the FP8 codes one. Where the CPU has avx512_bf16, ``prepare_weight`` packs the
+``[N, K]`` E4M3FN codes as ``[N/16, K/2, 16, 2]`` (``pack_weight``), the kernel decodes 32 codes at a
+time to their exact bf16 bit patterns (one ``vdpbf16ps`` operand: 16 output columns x 2 K-steps) and
+up to 16 activation rows share each decoded vector through broadcast pairs. Every product of two FP8
+values is exact in fp32 and each addition rounds once in fp32; the epilogue ``(acc * sa) * sb +
+bias`` is fp32, and torch rounds the fp32 result once to ``out_dtype``: ``Accumulation.FP32``,
+``output_roundings=1`` (strict class). Without avx512_bf16: the codes are widened to fp16 bit patterns
+(``(c & 0x7F) << 7 | sign << 15`` is the value times 2**-8 for every finite code) and multiplied-added
+in fp32 (AVX-512 + F16C), or a scalar loop; same declaration.
 
-The kernel is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into torch's extension
-cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). Building takes about a
-minute on a loaded 2-core machine, so it is never done implicitly by a listing or a selection:
+The same extension holds the fused per-row quantizer (``quant_rows``) and scale epilogue
+(``scale_epilogue``) used by ``fast_quantize``, ``cpu-bf16`` and ``cpu-fp32`` when it is built
+(``native()``); they are bit-identical to the spec and to the eager torch code.
+
+The kernel is compiled with ``torch.utils.cpp_extension`` (g++, ninja, OpenMP) into torch's extension
+cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). Building takes about half
+a minute to a minute on a 2-core machine, so it is never done implicitly by a listing or a selection:
 the backend is available once the build exists, and ``python -m fp8ref.kernels.cpu_fp8`` (or
-``FP8REF_CPU_FP8=1``, which builds on first use) makes it. Where the CPU has avx512_bf16, the codes
-are decoded to bf16 bit patterns (exact) and multiplied with ``vdpbf16ps`` (products exact in
-fp32, each addition one fp32 rounding); with AVX-512 and F16C only, the fp16 decoding above and
-fp32 FMAs; otherwise a scalar loop.
+``FP8REF_CPU_FP8=1``, which builds on first use) makes it.
 
-Declines: other formats than E4M3FN, block/group scales (tensor and row only), more than
-``MAX_M`` rows (compute-bound there: slower than ``cpu-bf16``), non-CPU tensors.
+Declines: other formats than E4M3FN, block/group scales (tensor and row only), more than ``MAX_M``
+rows (compute-bound there: slower than ``cpu-bf16``), non-CPU tensors.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, un
 
 __all__ = ["CpuFp8Backend", "build", "native", "pack_weight", "MAX_M"]
 
-#: Rows beyond which the backend declines. On one core of the (loaded) 2-core EPYC, vdpbf16ps
-#: path, two runs: 1.9-5.7x bf16 ``F.linear``'s speed at M = 1, 0.78-1.27x at M = 4, 0.56-0.83x at
-#: M = 8, 0.45x at M = 16: beyond a few rows decoding and dot products, not memory, bound it.
+#: Rows beyond which the backend declines. Packed kernel on this 2-core EPYC (docs/performance.md):
+#: 2.3-3.9x bf16 ``F.linear``'s speed at M = 1, 0.9-1.5x at M = 16; beyond that vdpbf16ps throughput
+#: and decoding bound it and cpu-bf16 (oneDNN) is faster.
 MAX_M = 16
 
 _SOURCE = r"""

@@ -236,6 +236,19 @@ class BiasTwice(Fp32Base):
         return y.to(out_dtype)
 
 
+class FusedLinearBiasTwice(Fp32Base):
+    name = "mutant-fused-linear-bias-twice"
+    upstream = ("NVIDIA/TensorRT-LLM PR#18321 (a bias fused into the GEMM epilogue must be cleared before "
+                "the post-GEMM add)")
+    bug = "the fused linear() hook adds the bias in the epilogue and again afterwards; scaled_mm is right"
+
+    def linear(self, x, w, bias=None, out_dtype=torch.bfloat16, scheme=None):
+        y = super().linear(x, w, bias, torch.float32, scheme)
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(out_dtype)
+
+
 class Fp16CodeProducts(Fp32Base):
     name = "mutant-fp16-overflow-at-max"
     upstream = "torch-xpu-ops#1120"
@@ -335,6 +348,6 @@ class HonestBf16(Fp32Base):
 MUTANTS: tuple[type[Fp32Base], ...] = (
     ZeroWeightsFp16, ScaleTwice, WeightScaleWrongAxis, DropKTail, Bf16Accumulation, Acc14Bits,
     NanZeroRow, PerTensorActivation, Truncation, UnwrittenTail, DelayedScalingNoClamp, BiasTwice,
-    Fp16CodeProducts, NanPaddedRows, TinyScaleReciprocal,
+    Fp16CodeProducts, NanPaddedRows, TinyScaleReciprocal, FusedLinearBiasTwice,
 )
 CORRECT: tuple[type[Fp32Base], ...] = (Fp32Base, ReverseOrder, ReciprocalQuantize, DequantizeFirst, KSplit, HonestBf16)

@@ -6,9 +6,9 @@ counterexample, next to the detection rates of the peers' tolerance checks on th
 Ours: ``fp8ref.conformance.check(mutant, "ci", seed=s, fail_fast=True)`` for each seed (first
 seed with shrinking, for the minimal counterexample and the time to detection including
 shrinking; the other seeds without). Peers: each peer's rtol/atol (fp8ref/conformance/peers.py)
-applied end to end -- the mutant's quantize and scaled_mm on randn inputs of peer-typical shapes,
-against the fp32 matmul of the reference-dequantized operands -- over ``--trials`` problems; the
-rate is the fraction of problems on which the peer's check fails.
+applied end to end -- the mutant's linear (quantize + scaled_mm, or its fused hook) on randn
+inputs of peer-typical shapes, against the fp32 matmul of the reference-dequantized operands -- over
+``--trials`` problems; the rate is the fraction of problems on which the peer's check fails.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def peer_rates(backend, trials: int) -> dict[str, float]:
         w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
         bias = torch.randn(N, generator=g).to(dtype) if t % 3 == 0 else None
         try:
-            qx, qw = backend.quantize(x, recipe.activation), backend.quantize(w, recipe.weight)
-            y = backend.scaled_mm(qx, qw, bias, dtype)
+            qw = backend.prepare_weight(backend.quantize(w, recipe.weight))
+            y = backend.linear(x, qw, bias, dtype, recipe.activation)  # the layer path a serving stack runs
         except Exception:
             for p in PEER_CHECKS:
                 fails[p.name] += 1
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
         "`check(mutant, \"ci\", seed=0, fail_fast=True)`; *time to detection* is the wall time until the "
         "first failing contract was found and shrunk; *detected* is the fraction of seeds 0.."
         f"{args.seeds - 1} on which the ci profile rejects the mutant. **Peers**: each peer's tolerance "
-        "(`fp8ref/conformance/peers.py`) applied end to end to the mutant's quantize + scaled_mm on "
+        "(`fp8ref/conformance/peers.py`) applied end to end to the mutant's `linear` (quantize + "
+        "scaled_mm, or its fused hook) on "
         f"{args.trials} randn problems of peer-typical shapes (fp16 and bf16 inputs, 3 recipes), against "
         "the fp32 matmul of the reference-dequantized operands; the rate is the fraction of problems the "
         "peer's check fails. *Search alone* repeats our run with the contracts' pinned examples switched off "
