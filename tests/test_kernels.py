@@ -250,13 +250,39 @@ def test_cpu_compiled_paths_equal_eager():
     ("triton", Case(4, 256, 256, Recipe("g", QuantScheme(granularity="block", block=(128, 64)),
                                         QuantScheme(granularity="group", group_size=128))), "K-block"),
     ("sgl-kernel", Case(4, 32, 32, W8A8_FP8, device="cpu"), "CUDA"),
-    ("cpu-fp8", Case(64, 32, 32, W8A8_FP8), "small-M"),
     ("cpu-fp8", Case(4, 256, 256, FP8_BLOCK), "per-row or per-tensor"),
+    ("cpu-fp8", Case(1024, 32, 32, W8A8_FP8), "small-M"),
     ("sgl-kernel-block", Case(4, 200, 256, FP8_BLOCK, device="cuda"), "multiples of 128"),
 ])
 def test_declines(name, case, needle):
     reason = get_backend(name).supports(case)
     assert isinstance(reason, str) and needle in reason, reason
+
+
+def test_cpu_fp8_without_bf16_dot_declines_large_m():
+    from fp8ref.kernels.cpu_fp8 import MAX_M_FALLBACK, CpuFp8Backend
+
+    be = CpuFp8Backend()
+    be.bf16_dot = False
+    reason = be.supports(Case(MAX_M_FALLBACK + 1, 32, 32, W8A8_FP8))
+    assert isinstance(reason, str) and "small-M" in reason
+    assert be.supports(Case(MAX_M_FALLBACK, 32, 32, W8A8_FP8)) is None
+
+
+def test_cpu_fp8_packed_splits_rows_in_chunks(monkeypatch):
+    """More rows than PACKED_ROWS: chunked calls give the bits of one call (rows are independent)."""
+    from fp8ref.kernels import cpu_fp8
+
+    be = _backend("cpu-fp8")
+    if not be._packed():
+        pytest.skip("no avx512_bf16: the packed path does not run")
+    qw = be.prepare_weight(quant.quantize(torch.randn(24, 40), W8A8_FP8.weight))
+    qa = quant.quantize(torch.randn(21, 40), W8A8_FP8.activation)
+    bias = torch.randn(24)
+    whole = be.scaled_mm(qa, qw, bias, out_dtype=torch.float32)
+    monkeypatch.setattr(cpu_fp8, "PACKED_ROWS", 8)
+    chunked = be.scaled_mm(qa, qw, bias, out_dtype=torch.float32)
+    assert torch.equal(whole.view(torch.int32), chunked.view(torch.int32))
 
 
 def test_scaled_mm_refuses_what_it_declines():

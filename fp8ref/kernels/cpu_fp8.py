@@ -21,8 +21,9 @@ a minute to a minute on a 2-core machine, so it is never done implicitly by a li
 the backend is available once the build exists, and ``python -m fp8ref.kernels.cpu_fp8`` (or
 ``FP8REF_CPU_FP8=1``, which builds on first use) makes it.
 
-Declines: other formats than E4M3FN, block/group scales (tensor and row only), more than ``MAX_M``
-rows (compute-bound there: slower than ``cpu-bf16``), non-CPU tensors.
+Declines: other formats than E4M3FN, block/group scales (tensor and row only), non-CPU tensors, and
+more than ``MAX_M`` rows (``MAX_M_FALLBACK`` without avx512_bf16). The packed kernel is strict-class
+and beats bf16 ``F.linear`` up to M = 64 here, ties it at 128-256, and falls behind beyond.
 """
 
 from __future__ import annotations
@@ -41,12 +42,20 @@ from ..registry import Backend, Case, register_backend
 from ..schemes import Granularity, QuantScheme
 from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, unwrap
 
-__all__ = ["CpuFp8Backend", "build", "native", "pack_weight", "MAX_M"]
+__all__ = ["CpuFp8Backend", "build", "native", "pack_weight", "MAX_M", "MAX_M_FALLBACK", "PACKED_ROWS"]
 
-#: Rows beyond which the backend declines. Packed kernel on this 2-core EPYC (docs/performance.md):
-#: 2.3-3.9x bf16 ``F.linear``'s speed at M = 1, 0.9-1.5x at M = 16; beyond that vdpbf16ps throughput
-#: and decoding bound it and cpu-bf16 (oneDNN) is faster.
-MAX_M = 16
+#: Rows beyond which the packed kernel declines. On this 2-core EPYC (quiet, Llama-3.1-8B shapes) it
+#: ran at 1.45-1.8x bf16 ``F.linear``'s speed at M = 16, 1.04-1.17x at 64, 0.95-1.03x at 128,
+#: 0.91-0.99x at 256 and 0.70-0.86x at 1024, where oneDNN's bf16 GEMM (cpu-bf16, 0.93-1.0x) wins.
+#: The selector times buckets above 128 rows at 128 rows, so a larger limit could pick it there.
+MAX_M = 256
+#: Rows beyond which the fallback kernels (no avx512_bf16: fp16 decoding + fp32 FMAs, or scalar)
+#: decline: one core of this EPYC measured that path at 0.78-1.27x bf16 ``F.linear`` at M = 4 and
+#: 0.45x at M = 16.
+MAX_M_FALLBACK = 4
+#: Rows per call of the packed kernel: its activation pairs (K/2 x rows x 4 bytes) stay in L2
+#: (2 MiB at K = 4096); 1024 rows at K = 14336 (29 MiB) ran 4x slower per row than 256.
+PACKED_ROWS = 256
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -230,11 +239,13 @@ torch::Tensor fp8_e4m3_gemm_packed(torch::Tensor a, torch::Tensor pb, torch::Ten
   const uint8_t* spp = special.data_ptr<uint8_t>();
   auto out = torch::empty({M, N}, torch::dtype(torch::kFloat32));
   if (M == 0 || N == 0) return out;
+  uint16_t lut[256];  // bf16_of_code calls ldexp: per element it cost ~0.8 ms at M=16, K=4096
+  for (int c = 0; c < 256; ++c) lut[c] = bf16_of_code((uint8_t)c);
   std::vector<uint32_t> apair(K2 * M, 0);  // [p][m]: (a[m, 2p], a[m, 2p + 1]) as bf16 bits, zero-padded
   const uint8_t* ap = a.data_ptr<uint8_t>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k)
-      apair[(k / 2) * M + m] |= (uint32_t)bf16_of_code(ap[m * K + k]) << (16 * (k & 1));
+      apair[(k / 2) * M + m] |= (uint32_t)lut[ap[m * K + k]] << (16 * (k & 1));
   const float* sap = sa.data_ptr<float>();
   const float* sbp = sb.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
@@ -268,7 +279,9 @@ torch::Tensor fp8_e4m3_gemm(torch::Tensor a, torch::Tensor b, torch::Tensor sa, 
   if (M == 0 || N == 0) return out;
   std::vector<float> ad(M * K);
   const uint8_t* ap = a.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < M * K; ++i) ad[i] = decode_scalar(ap[i]);
+  float lut[256];  // decode_scalar calls ldexp: a table makes the activation decoding ~100x cheaper
+  for (int c = 0; c < 256; ++c) lut[c] = decode_scalar((uint8_t)c);
+  for (int64_t i = 0; i < M * K; ++i) ad[i] = lut[ap[i]];
   const bool avx = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("f16c");
   const float* sap = sa.data_ptr<float>();
@@ -587,6 +600,26 @@ def _built() -> bool:
         return False
 
 
+def _cpu_has_bf16_dot() -> bool:
+    """avx512_bf16 (with avx512f/bw) on this CPU: asked of the built extension, else of
+    /proc/cpuinfo (so that ``supports`` never triggers a build)."""
+    global _has_bf16
+    if _has_bf16 is None:
+        if _module is not None:
+            _has_bf16 = bool(_module.has_bf16_dot())
+        else:
+            try:
+                with open("/proc/cpuinfo") as f:
+                    flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+                return {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)  # not cached: the module may load
+            except OSError:
+                return False
+    return _has_bf16
+
+
+_has_bf16: bool | None = None
+
+
 def pack_weight(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` uint8 codes -> ``(packed, special)``.
 
@@ -671,14 +704,14 @@ def _want_build() -> bool:
 
 
 class CpuFp8Backend(Backend):
-    """FP8 codes read directly by a C++ kernel, for M <= ``MAX_M`` (see the module docstring).
+    """FP8 codes read directly by a C++ kernel (see the module docstring).
 
     Examples
     --------
     >>> import torch, fp8ref
     >>> be = fp8ref.get_backend("cpu-fp8")
-    >>> be.supports(fp8ref.Case(1024, 4096, 4096, fp8ref.W8A8_FP8))
-    'cpu-fp8 is a small-M kernel: M=1024 > 16 rows is compute-bound; use cpu-bf16'
+    >>> be.supports(fp8ref.Case(16, 4096, 4096, fp8ref.FP8_BLOCK))
+    'cpu-fp8 takes per-row or per-tensor weight scales, not block'
     """
 
     name = "cpu-fp8"
@@ -711,8 +744,12 @@ class CpuFp8Backend(Backend):
     def supports(self, case: Case) -> str | None:
         if torch.device(case.device).type != "cpu":
             return f"cpu-fp8 runs on CPU tensors only, the case is on {case.device}"
-        if case.M > MAX_M:
-            return f"cpu-fp8 is a small-M kernel: M={case.M} > {MAX_M} rows is compute-bound; use cpu-bf16"
+        packed = self.bf16_dot and _cpu_has_bf16_dot()
+        if case.M > (MAX_M if packed else MAX_M_FALLBACK):
+            limit = MAX_M if packed else MAX_M_FALLBACK
+            how = "" if packed else "without avx512_bf16, "
+            return (f"{how}cpu-fp8 is a small-M kernel: M={case.M} > {limit} rows is compute-bound; use cpu-bf16 "
+                    "or cpu-fp32")
         return (self._scheme_reason(case.recipe.weight, "weight")
                 or self._scheme_reason(case.recipe.activation, "activation"))
 
@@ -731,7 +768,7 @@ class CpuFp8Backend(Backend):
 
     def _packed(self) -> bool:
         """Whether the packed avx512_bf16 kernel runs (the CPU has the instructions; ``bf16_dot``)."""
-        return self.bf16_dot and bool(build().has_bf16_dot())
+        return self.bf16_dot and _cpu_has_bf16_dot()
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -759,9 +796,11 @@ class CpuFp8Backend(Backend):
             packed = extra.get("packed")
             if packed is None:
                 packed = pack_weight(codes)
-            y = mod.fp8_e4m3_gemm_packed(a.data.contiguous().view(torch.uint8), *packed, N, sa, sb,
-                                         b32 if b32 is not None else sa, b32 is not None)
-            return y.to(out_dtype)
+            codes_a = a.data.contiguous().view(torch.uint8)
+            bias_arg = (b32 if b32 is not None else sa, b32 is not None)
+            ys = [mod.fp8_e4m3_gemm_packed(codes_a[r:r + PACKED_ROWS], *packed, N, sa[r:r + PACKED_ROWS], sb,
+                                           *bias_arg) for r in range(0, M, PACKED_ROWS)]
+            return (ys[0] if len(ys) == 1 else torch.cat(ys)).to(out_dtype)
         y = mod.fp8_e4m3_gemm(a.data.contiguous().view(torch.uint8), codes, sa, sb,
                               b32 if b32 is not None else sa, b32 is not None)
         return y.to(out_dtype)
