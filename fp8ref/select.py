@@ -94,7 +94,7 @@ PROBE_N_TILE = 256
 #: Timing uses min(bucket, TIME_M_CAP) rows and the full N, K.
 TIME_M_CAP = 128
 #: Per-candidate timing budget in seconds (after the warm-up); at least one timed run.
-TIME_BUDGET_S = 0.25
+TIME_BUDGET_S = 0.15
 TIME_MAX_RUNS = 7
 #: A candidate whose estimated time (from the probe's calls) exceeds this many times the best
 #: measured median is not timed: it cannot win.
@@ -617,9 +617,13 @@ def _timer(backend: Backend, case: Case) -> Callable[[], float]:
     return once
 
 
-def _time(backend: Backend, case: Case, best: float | None) -> tuple[float, int, str]:
-    """Median seconds of ``Backend.linear`` at min(bucket, TIME_M_CAP) rows, after one warm-up."""
+def _time(backend: Backend, case: Case, best: float | None,
+          timers: dict[str, Callable[[], float]] | None = None) -> tuple[float, int, str]:
+    """Median seconds of ``Backend.linear`` at min(bucket, TIME_M_CAP) rows, after one warm-up.
+    ``timers`` keeps the prepared timer per backend name for the run-off."""
     once = _timer(backend, case)
+    if timers is not None:
+        timers[backend.name] = once
     once()  # warm-up: compilation, autotuning, first-touch of buffers
     times = [once()]
     if best is not None and times[0] > 3 * best:
@@ -629,14 +633,17 @@ def _time(backend: Backend, case: Case, best: float | None) -> tuple[float, int,
     return statistics.median(times), len(times), ""
 
 
-def _runoff(rows: list[tuple[Backend, Row]], case: Case) -> None:
+def _runoff(rows: list[tuple[Backend, Row]], case: Case,
+            timers: dict[str, Callable[[], float]] | None = None) -> None:
     """Re-time the close contenders in interleaved rounds (A, B, C, B, C, A, ...) and keep those
     medians: a burst of load from another process then hits every contender alike, instead of
     deciding the ranking by landing in one backend's timing window (a decision is cached on disk,
     so a wrong one would last)."""
-    timers = [(row, _timer(b, case)) for b, row in rows]
-    for _, once in timers:
-        once()  # warm-up again: the sequential timing ran other backends since
+    known = timers or {}
+    timers = [(row, known.get(b.name) or _timer(b, case)) for b, row in rows]
+    for (b, _), (_, once) in zip(rows, timers, strict=True):
+        if b.name not in known:
+            once()  # warm-up: a fresh timer (the sequential ones are warm, and their weights prepared)
     per_round = sum(row.median_s or 0.0 for row, _ in timers)
     rounds = int(max(RUNOFF_MIN_ROUNDS, min(TIME_MAX_RUNS, RUNOFF_BUDGET_S / max(per_round, 1e-9))))
     times: dict[int, list[float]] = {i: [] for i in range(len(timers))}
@@ -851,6 +858,7 @@ def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -
                                       + Decision(key, case.short_str(), precision, "", [], rows).table())
     if len(probed) > 1:
         best: float | None = None
+        timers: dict[str, Callable[[], float]] = {}
         for b, row, _ in sorted(probed, key=lambda t: t[1].estimate_s):
             if b.name == "reference":
                 # The spec computes in float64 and is never faster than a real kernel: it is the
@@ -861,7 +869,7 @@ def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -
                 row.note = f"not timed: estimated {row.estimate_s:.3g} s > {SKIP_FACTOR:g}x best"
                 continue
             try:
-                row.median_s, row.runs, row.note = _time(b, case, best)
+                row.median_s, row.runs, row.note = _time(b, case, best, timers)
             except Exception as exc:
                 row.note = f"timing raised {type(exc).__name__}: {exc}"
                 row.compliant = False
@@ -872,7 +880,7 @@ def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -
                      and row.runs > 1 and row.median_s <= RUNOFF_FACTOR * best]
             if len(close) > 1:
                 try:
-                    _runoff(close, case)
+                    _runoff(close, case, timers)
                 except Exception as exc:  # keep the sequential medians; say why
                     for _, row in close:
                         row.note = (row.note + "; " if row.note else "") + f"run-off raised {exc!r}"
