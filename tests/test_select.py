@@ -338,8 +338,8 @@ def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
         fp8ref.register_backend(b, replace=True)
     real_time = sel._time
 
-    def bursty(b, case, best):
-        med, runs, note = real_time(b, case, best)
+    def bursty(b, case, best, timers=None):
+        med, runs, note = real_time(b, case, best, timers)
         return (med * 4 if b.name == "t-fast" else med), runs, note
 
     monkeypatch.setattr(sel, "_time", bursty)
