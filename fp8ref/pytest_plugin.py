@@ -5,8 +5,9 @@ Options
 ``--fp8ref-backend NAME``  certify this backend (repeatable; default: every registered backend,
                            unavailable ones reported as skipped with their reason).
 ``--fp8ref-profile P``     dev, ci or thorough (default: ``$FP8REF_HYPOTHESIS_PROFILE``, else dev).
-``--fp8ref-seed S``        Hypothesis seed (default: random; a failure prints the seed and the
-                           command that reproduces it).
+``--fp8ref-seed S``        Hypothesis seed (default: the profile's fixed seed for ``ci``, which is
+                           derandomized; else one random seed per session, printed in the
+                           header and in every failure with the command that reproduces it).
 
 Fixtures
 --------
@@ -34,9 +35,9 @@ pytest-xdist (``-n auto``, or ``--tx`` remote workers) with no state shared betw
 
 from __future__ import annotations
 
-import random
-
 import pytest
+
+_SESSION_SEED = "_fp8ref_session_seed"
 
 
 def _add(group, *args, **kwargs) -> None:
@@ -71,6 +72,29 @@ def pytest_configure(config):
     from fp8ref.conformance.profiles import get_profile
 
     settings.load_profile(f"fp8ref-{get_profile(name).name}")
+
+
+def session_seed(config) -> int:
+    """The seed of this session's contracts: ``--fp8ref-seed``, else the profile's choice (fixed
+    for a derandomized profile, random otherwise), drawn once per session."""
+    seed = getattr(config, _SESSION_SEED, None)
+    if seed is None:
+        from fp8ref.conformance.profiles import get_profile, resolve_seed
+
+        seed = resolve_seed(get_profile(selected_profile(config)), config.getoption("--fp8ref-seed", default=None))
+        setattr(config, _SESSION_SEED, seed)
+    return seed
+
+
+def pytest_report_header(config):
+    try:
+        from fp8ref.conformance.profiles import get_profile
+    except ImportError:  # the conformance extra (hypothesis) is not installed
+        return None
+    prof = get_profile(selected_profile(config))
+    how = "fixed (derandomized profile)" if prof.derandomize else "random this session"
+    return (f"fp8ref: conformance profile {prof.name}, seed {session_seed(config)} ({how}; "
+            f"--fp8ref-seed {session_seed(config)} reproduces)")
 
 
 def selected_backend_names(config) -> list[str]:
@@ -113,14 +137,13 @@ def fp8ref_certify(request):
     from fp8ref.registry import Backend, get_backend
 
     profile = selected_profile(request.config)
-    seed_opt = request.config.getoption("--fp8ref-seed", default=None)
+    seed = session_seed(request.config)
 
     def certify(backend: Backend | str, contract: str | None = None) -> list:
         b = get_backend(backend) if isinstance(backend, str) else backend
         reason = b.available()
         if reason is not None:
             pytest.skip(f"backend {b.name!r} unavailable: {reason}")
-        seed = random.randrange(2**32) if seed_opt is None else seed_opt
         results = []
         for c in CONTRACTS if contract is None else (get_contract(contract),):
             r = check_contract(b, c, profile, seed)

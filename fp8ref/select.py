@@ -30,7 +30,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -45,6 +44,7 @@ import torch
 
 from . import bounds
 from ._io import atomic_write
+from ._machine import cpu_model
 from .bounds import PrecisionClass
 from .gemm import scaled_mm
 from .quant import Quantized, dequantize, quantize
@@ -136,18 +136,6 @@ def _bucket_lo(b: int) -> int:
     return b // 2 + 1 if b > 1 else 1
 
 
-@cache
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_name(device: str | torch.device) -> str:
     """What identifies the hardware for timing: CPU model and thread count, or GPU name and SM."""
     dev = torch.device(device)
@@ -156,7 +144,7 @@ def device_name(device: str | torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(idx)
         return f"cuda:{torch.cuda.get_device_name(idx)}:sm{major}{minor}"
     if dev.type == "cpu":
-        return f"cpu:{_cpu_model()}:{torch.get_num_threads()}t"
+        return f"cpu:{cpu_model()}:{torch.get_num_threads()}t"
     return str(dev)
 
 

@@ -524,9 +524,19 @@ _G_EX = (
     # codes at +-qmax: overflow of narrow intermediates
     fst.GemmProblem(4, 16, 32, fst.RECIPES["fp8"], _bf16, fst.CodeSpec("extremes", 4, -9, True),
                     fst.CodeSpec("extremes", 5, -9, True)),
+    # E4M3FNUZ at M = N = 1 and 16 x 16: torch._scaled_mm (2.13 CPU) raises here on AMX and AVX-512
+    # CPUs, a failure a random seed met only now and then (issue 10); pinned so it is always run
+    fst.GemmProblem(1, 1, 16, fst.RECIPES["w8a8_fp8_rocm"], _bf16, fst.CodeSpec("bits", 6, -9, True),
+                    fst.CodeSpec("bits", 7, -9, True)),
+    fst.GemmProblem(16, 16, 32, fst.RECIPES["w8a8_fp8_rocm"], _f32, fst.CodeSpec("bits", 8, -9, False),
+                    fst.CodeSpec("bits", 9, -9, False), True, 10),
 )
 _L_EX = (fst.LinearProblem(17, 16, 160, fst.RECIPES["w8a8_fp8"], _bf16, _f32, fst.TensorSpec("outliers", 0, 6),
-                           fst.TensorSpec("normal", -4, 7), True),)
+                           fst.TensorSpec("normal", -4, 7), True),
+         fst.LinearProblem(1, 1, 16, fst.RECIPES["w8a8_fp8_rocm"], _bf16, _bf16, fst.TensorSpec("normal", 0, 8),
+                           fst.TensorSpec("normal", 0, 9)),
+         fst.LinearProblem(16, 16, 16, fst.RECIPES["w8a8_fp8_rocm"], _f16, _f32, fst.TensorSpec("normal", 0, 10),
+                           fst.TensorSpec("normal", -3, 11), True))
 
 
 def _with_k(examples, k):

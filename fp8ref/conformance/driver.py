@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import platform
-import random
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -24,7 +23,7 @@ from hypothesis.errors import HypothesisException, Unsatisfiable
 from ..registry import Backend, get_backend
 from .contracts import CONTRACTS, Contract, Declined, get_contract
 from .probe import PROBE_MAX_BITS, accumulator_bits
-from .profiles import Profile, get_profile, hypothesis_settings
+from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
 
 __all__ = ["ContractResult", "Report", "check", "check_contract", "merge_reports", "load_report",
            "apply_known_failures"]
@@ -320,7 +319,8 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     profile : Profile or str or None
         ``dev``, ``ci`` (default) or ``thorough``; None reads ``$FP8REF_HYPOTHESIS_PROFILE``.
     seed : int, optional
-        Hypothesis seed; a random one is drawn (and reported) if omitted.
+        Hypothesis seed. If omitted: the profile's fixed seed for a derandomized profile (``ci``:
+        the same commit gives the same verdict), else a random one (reported with the results).
     contracts : sequence of str, optional
         Only these contracts.
     known_failures : iterable of dict, optional
@@ -351,7 +351,7 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     if not isinstance(backend, Backend):
         raise TypeError(f"expected an fp8ref.Backend or a registered name, got {type(backend).__name__}")
     prof = get_profile(profile)
-    seed = random.randrange(2**32) if seed is None else int(seed)
+    seed = resolve_seed(prof, seed)
     rep = Report(backend.name, prof.name, seed, precision=backend.precision.value,
                  accumulation=backend.accumulation.name, output_roundings=backend.output_roundings)
     if _profile_for(backend, prof).max_elems != prof.max_elems:

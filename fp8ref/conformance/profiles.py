@@ -19,11 +19,13 @@ GEMM's time depends on the shape drawn).
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, Phase, settings
 
-__all__ = ["Profile", "PROFILES", "ENV_VAR", "get_profile", "default_profile_name", "hypothesis_settings"]
+__all__ = ["Profile", "PROFILES", "ENV_VAR", "get_profile", "default_profile_name", "hypothesis_settings",
+           "resolve_seed"]
 
 ENV_VAR = "FP8REF_HYPOTHESIS_PROFILE"
 
@@ -51,6 +53,13 @@ class Profile:
     shrink : bool
         Shrink a failing example to a minimal one (off only for the mutant self-test, which
         needs a verdict, not a counterexample).
+    derandomize : bool
+        Same commit, same examples: the seed defaults to ``fixed_seed`` instead of a random one,
+        and Hypothesis tests run under the profile (``fp8ref-<name>``) are derandomized. ``ci``
+        is derandomized; ``dev`` and ``thorough`` explore with a fresh seed each run, printed in
+        every report so that a failure reproduces.
+    fixed_seed : int
+        The seed of a derandomized profile.
     """
 
     name: str
@@ -61,6 +70,8 @@ class Profile:
     tiny_blocks: bool = False
     time_budget_s: float = 3600.0
     shrink: bool = True
+    derandomize: bool = False
+    fixed_seed: int = 0
 
     def with_(self, **changes) -> Profile:
         return replace(self, **changes)
@@ -68,7 +79,8 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     "dev": Profile("dev", max_examples=6, max_mn=33, max_k=160, max_elems=2048, time_budget_s=2.0),
-    "ci": Profile("ci", max_examples=16, max_mn=64, max_k=272, max_elems=4096, time_budget_s=4.0),
+    "ci": Profile("ci", max_examples=16, max_mn=64, max_k=272, max_elems=4096, time_budget_s=4.0,
+                  derandomize=True),
     "thorough": Profile("thorough", max_examples=200, max_mn=256, max_k=4097, tiny_blocks=True,
                         time_budget_s=300.0),
 }
@@ -97,13 +109,21 @@ def get_profile(profile: Profile | str | None = None) -> Profile:
         raise ValueError(f"unknown conformance profile {profile!r}; choose one of {sorted(PROFILES)}") from None
 
 
+def resolve_seed(profile: Profile, seed: int | None) -> int:
+    """The seed a run uses: ``seed`` if given, else the profile's fixed seed when it is
+    derandomized (``ci``), else a fresh random one (to be printed with the results)."""
+    if seed is not None:
+        return int(seed)
+    return profile.fixed_seed if profile.derandomize else random.randrange(2**32)
+
+
 def hypothesis_settings(profile: Profile, max_examples: int | None = None) -> settings:
     """The Hypothesis settings a contract runs under in ``profile``."""
     phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
     if profile.shrink:
         phases.append(Phase.shrink)
     return settings(max_examples=profile.max_examples if max_examples is None else max_examples,
-                    deadline=None, database=None, derandomize=False, print_blob=True,
+                    deadline=None, database=None, derandomize=profile.derandomize, print_blob=True,
                     suppress_health_check=_SUPPRESS, phases=phases, report_multiple_bugs=False)
 
 

@@ -35,6 +35,7 @@ import threading
 
 import torch
 
+from .._machine import cpu_flags
 from ..bounds import Accumulation
 from ..formats import E4M3FN
 from ..quant import Quantized
@@ -618,12 +619,7 @@ def _cpu_has_bf16_dot() -> bool:
         if _module is not None:
             _has_bf16 = bool(_module.has_bf16_dot())
         else:
-            try:
-                with open("/proc/cpuinfo") as f:
-                    flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-                return {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)  # not cached: the module may load
-            except OSError:
-                return False
+            return {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags()  # not cached: the module may load
     return _has_bf16
 
 
@@ -754,14 +750,17 @@ class CpuFp8Backend(Backend):
     def supports(self, case: Case) -> str | None:
         if torch.device(case.device).type != "cpu":
             return f"cpu-fp8 runs on CPU tensors only, the case is on {case.device}"
+        scheme_reason = (self._scheme_reason(case.recipe.weight, "weight")
+                         or self._scheme_reason(case.recipe.activation, "activation"))
+        if scheme_reason:  # what the kernel cannot express at all comes before this CPU's M limit
+            return scheme_reason
         packed = self.bf16_dot and _cpu_has_bf16_dot()
         if case.M > (MAX_M if packed else MAX_M_FALLBACK):
             limit = MAX_M if packed else MAX_M_FALLBACK
             how = "" if packed else "without avx512_bf16, "
             return (f"{how}cpu-fp8 is a small-M kernel: M={case.M} > {limit} rows is compute-bound; use cpu-bf16 "
                     "or cpu-fp32")
-        return (self._scheme_reason(case.recipe.weight, "weight")
-                or self._scheme_reason(case.recipe.activation, "activation"))
+        return None
 
     def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
         return fast_quantize(x, scheme)

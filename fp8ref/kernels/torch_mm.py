@@ -16,9 +16,19 @@ Numerics (checked against the spec by tests/test_kernels.py):
   multiples of 16; both are zero-padded (zero codes add exact zeros), the weight once at
   ``prepare_weight`` time. A bias whose dtype is not ``out_dtype`` is added in fp32 after an fp32
   GEMM so that it is never rounded to ``out_dtype`` first.
+
+What ``torch._scaled_mm`` accepts differs between CPUs and torch versions (torch 2.13.0+cpu raises
+"itensor_view_from_dense expects ... Float8_e4m3fnuz" for E4M3FNUZ operands at every shape on an
+AMX Xeon and at M = N = 1 on an AVX-512 EPYC, and computes them on an AVX2 EPYC), so no list of
+unsupported cases is written down here: ``supports`` runs the backend's own call once on zero
+operands of a tiny shape of the same *class* (formats, scale granularity, output dtype, bias, M
+and N capped at 3, K at 32 plus its residue mod 16) and declines, with torch's message as the
+reason, whatever raises. The answer is cached per (device, class) for the process.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -26,7 +36,7 @@ from ..bounds import Accumulation
 from ..quant import Quantized
 from ..registry import Backend, Case, register_backend
 from ..schemes import Granularity, QuantScheme
-from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, pad_last, pad_weight, unwrap
+from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, pad_last, pad_weight, unwrap, zeros
 
 __all__ = ["TorchScaledMMBackend"]
 
@@ -36,6 +46,17 @@ _ALIGN = 16  #: cuBLASLt's alignment for FP8 operands (16 bytes)
 
 def _is_cuda(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def _trial_shape(M: int, N: int, K: int) -> tuple[int, int, int]:
+    """The tiny shape standing for ``M x N x K`` in a trial call: M and N capped at 3 (so 0, 1 and
+    2 stay themselves: the failures seen so far depend on M = N = 1), K at 32 plus its residue
+    mod 16 (the alignment torch's kernels switch on)."""
+    return min(M, 3), min(N, 3), (K if K <= 32 else 32 + K % 16)
+
+
+_TRIALS: dict[tuple, str | None] = {}
+_TRIALS_LOCK = threading.Lock()
 
 
 class TorchScaledMMBackend(Backend):
@@ -87,7 +108,37 @@ class TorchScaledMMBackend(Backend):
                 return "row-wise torch._scaled_mm on CUDA returns bfloat16 only"
             if case.out_dtype == torch.float64:
                 return "torch._scaled_mm on CUDA has no float64 output"
-        return None
+        return self.trial(case.device, case.recipe.activation, case.recipe.weight, case.M, case.N, case.K,
+                          case.out_dtype, case.has_bias)
+
+    def trial(self, device: str | torch.device, a_scheme: QuantScheme, b_scheme: QuantScheme, M: int, N: int,
+              K: int, out_dtype: torch.dtype, has_bias: bool) -> str | None:
+        """None if this backend's ``torch._scaled_mm`` call runs on this machine for operands of this
+        class, else the reason (torch's own message). One call on zero operands of the class's
+        ``_trial_shape``, cached per (device, class)."""
+        dev = torch.device(device)
+        m, n, k = _trial_shape(M, N, K)
+        key = (str(dev), self.fast_accum, self.force_pad, a_scheme.format.name, b_scheme.format.name,
+               a_scheme.granularity, b_scheme.granularity, m, n, k, out_dtype, has_bias)
+        with _TRIALS_LOCK:
+            if key in _TRIALS:
+                return _TRIALS[key]
+        a = Quantized(zeros(m, k, dtype=a_scheme.format.torch_dtype, device=dev),
+                      torch.ones(a_scheme.scale_shape(m, k), dtype=a_scheme.scale_dtype, device=dev), a_scheme)
+        b = Quantized(zeros(n, k, dtype=b_scheme.format.torch_dtype, device=dev),
+                      torch.ones(b_scheme.scale_shape(n, k), dtype=b_scheme.scale_dtype, device=dev), b_scheme)
+        bias = torch.zeros(n, dtype=out_dtype, device=dev) if has_bias else None
+        try:
+            self._call(a, b, bias, out_dtype, None)
+            reason = None
+        except RuntimeError as exc:  # torch's kernels raise RuntimeError (and its subclasses)
+            msg = " ".join(str(exc).split())
+            reason = (f"torch._scaled_mm raises on this machine for {a_scheme.format.name} x "
+                      f"{b_scheme.format.name} operands at M={m}, N={n}, K={k} "
+                      f"({'bias, ' if has_bias else ''}out {str(out_dtype)[6:]}): {msg[:300]}")
+        with _TRIALS_LOCK:
+            _TRIALS[key] = reason
+        return reason
 
     def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
         return fast_quantize(x, scheme)
@@ -111,11 +162,20 @@ class TorchScaledMMBackend(Backend):
             reason = self._scheme_reason(scheme, what, dev)
             if reason:
                 raise ValueError(f"backend {self.name!r}: {reason}")
+        reason = self.trial(dev, a.scheme, b.scheme, a.data.shape[0], b.data.shape[0], a.data.shape[1], out_dtype,
+                            bias is not None)
+        if reason:
+            raise ValueError(f"backend {self.name!r}: {reason}")
+        return self._call(a, b, bias, out_dtype, extra.get("b_op"))
+
+    def _call(self, a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype,
+              b_op: torch.Tensor | None) -> torch.Tensor:
+        """The ``torch._scaled_mm`` call itself (arguments already checked)."""
+        dev = a.data.device
         cuda = dev.type == "cuda"
         pad = cuda or self.force_pad
         M, K = a.data.shape
         N = b.data.shape[0]
-        b_op = extra.get("b_op")
         if b_op is None:
             b_op = self._weight_operand(b, pad)
         a_op = pad_last(a.data, _ALIGN) if pad else a.data
