@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import quant
 from .bounds import PrecisionClass
-from .registry import Backend, Case, backends, get_backend
+from .registry import Backend, Case, backends, decline_reason, get_backend
 from .schemes import FP8_BLOCK, W8A8_FP8, QuantScheme, Recipe, get_recipe
 
 __all__ = [
@@ -292,7 +292,7 @@ def _available_backends(device: str, only: Sequence[str] | None = None) -> tuple
         reasons = []
         for case in probes:
             try:
-                reason = get_backend(info.name).supports(case)
+                reason = decline_reason(get_backend(info.name), case)
             except Exception as exc:  # a broken supports() is reported, not fatal to the benchmark
                 reason = f"supports() raised {exc!r}"
             if reason is None:
@@ -543,7 +543,7 @@ def bench_linear(device: str = "cpu", backend_names: Sequence[str | Backend] = (
                 if _past(deadline):
                     entry["skipped"] = _PAST_DEADLINE
                     continue
-                reason = backend.supports(case)
+                reason = decline_reason(backend, case)
                 if reason is not None:
                     entry["skipped"] = f"does not support {case.short_str()}: {reason}"
                     continue

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .quant import Quantized
-from .registry import Backend, Case
+from .registry import Backend, Case, backend_quantize
 
 __all__ = ["TARGETS", "build_parser", "evaluate_targets", "write_json", "write_summary", "summary_markdown",
            "cuda_backends", "OnDevice", "main"]
@@ -211,8 +211,9 @@ class OnDevice(Backend):
     def _to(self, q: Quantized, device) -> Quantized:
         return Quantized(q.data.to(device), q.scale.to(device), q.scheme, q.n_saturated)
 
-    def quantize(self, x: torch.Tensor, scheme) -> Quantized:
-        return self._to(self.inner.quantize(x.to(self.device), scheme), x.device)
+    def quantize(self, x: torch.Tensor, scheme, scale=None) -> Quantized:
+        scale = None if scale is None else scale.to(self.device)
+        return self._to(backend_quantize(self.inner, x.to(self.device), scheme, scale), x.device)
 
     def prepare_weight(self, w: Quantized) -> Any:
         return self.inner.prepare_weight(self._to(w, self.device))

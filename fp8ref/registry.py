@@ -12,6 +12,7 @@ Third-party backends register with ``register_backend`` or through the entry-poi
 from __future__ import annotations
 
 import importlib
+import inspect
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -24,9 +25,12 @@ from .quant import Quantized
 from .schemes import QuantScheme, Recipe
 
 __all__ = ["Backend", "Case", "BackendInfo", "register_backend", "unregister_backend", "get_backend",
-           "backends", "ENTRY_POINT_GROUP"]
+           "backends", "ENTRY_POINT_GROUP", "OPS", "decline_reason", "backend_quantize"]
 
 ENTRY_POINT_GROUP = "fp8ref.backends"
+
+#: The ops a backend can declare (``Backend.ops``) and a case can ask for (``Case.op``).
+OPS = ("quantize", "scaled_mm", "linear")
 
 #: Modules of the backends shipped with fp8ref, imported on first use of the registry.
 _BUILTIN_MODULES = ("fp8ref.kernels.reference", "fp8ref.kernels.torch_mm", "fp8ref.kernels.cpu",
@@ -36,7 +40,13 @@ _BUILTIN_MODULES = ("fp8ref.kernels.reference", "fp8ref.kernels.torch_mm", "fp8r
 
 @dataclass(frozen=True)
 class Case:
-    """One linear problem: y[M, N] = x[M, K] w[N, K]^T under ``recipe``."""
+    """One problem a backend is asked to take: y[M, N] = x[M, K] w[N, K]^T under ``recipe``.
+
+    ``op`` says which call the case is for: ``"linear"`` (the default: quantize the activation,
+    then scaled_mm), ``"scaled_mm"`` (quantized operands given) or ``"quantize"`` (only the
+    activation ``[M, K]`` under ``recipe.activation``; N is unused). A backend takes a case only if
+    it declares the op (``Backend.ops``) and ``supports`` returns None; ``decline_reason`` asks both.
+    """
 
     M: int
     N: int
@@ -46,9 +56,15 @@ class Case:
     out_dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
     has_bias: bool = False
+    op: str = "linear"
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"Case.op must be one of {OPS}, got {self.op!r}")
 
     def short_str(self) -> str:
-        return (f"M{self.M}-N{self.N}-K{self.K}-{self.recipe.name}-{str(self.x_dtype)[6:]}"
+        op = "" if self.op == "linear" else f"{self.op}-"
+        return (f"{op}M{self.M}-N{self.N}-K{self.K}-{self.recipe.name}-{str(self.x_dtype)[6:]}"
                 f"-{str(self.out_dtype)[6:]}-{self.device}{'-bias' if self.has_bias else ''}")
 
 
@@ -65,11 +81,16 @@ class Backend:
     output_roundings : int
         1 if the result is rounded to the output dtype once, 2 if twice (e.g. a bf16 GEMM whose
         output is scaled afterwards).
+    ops : tuple of str
+        The ops the backend implements and asks to be certified for (``OPS``); a quantizer-only
+        backend declares ``("quantize",)``, a GEMM that takes the reference's codes
+        ``("scaled_mm",)``. ``linear`` needs both (the default hook composes them).
     """
 
     name: str = ""
     accumulation: Accumulation = Accumulation.FP32
     output_roundings: int = 1
+    ops: tuple[str, ...] = OPS
 
     @property
     def precision(self) -> PrecisionClass:
@@ -83,7 +104,13 @@ class Backend:
         """None if the backend takes ``case``, else the reason it does not."""
         return None
 
-    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        """Quantize ``x [rows, cols]`` under ``scheme``, as ``fp8ref.quantize`` defines it.
+
+        ``scale`` is the caller's dequantization scale for a static scheme (``scheme.dynamic``
+        False; shape ``scheme.scale_shape(rows, cols)``), None for a dynamic one. A backend that
+        cannot take static scales declines static schemes in ``supports``.
+        """
         raise NotImplementedError(f"backend {self.name!r} does not implement quantize")
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
@@ -91,9 +118,11 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} does not implement scaled_mm")
 
     def linear(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16, scheme: QuantScheme | None = None) -> torch.Tensor:
-        """Optional fused hook: ``scaled_mm(quantize(x, scheme), w, bias, out_dtype)`` for a 2-D
-        ``x`` and a (prepared) weight ``w``; ``scheme`` defaults to ``W8A8_FP8.activation``.
+               out_dtype: torch.dtype = torch.bfloat16, scheme: QuantScheme | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Optional fused hook: ``scaled_mm(quantize(x, scheme, scale), w, bias, out_dtype)`` for a
+        2-D ``x`` and a (prepared) weight ``w``; ``scheme`` defaults to ``W8A8_FP8.activation``;
+        ``scale`` is the static activation scale of a static scheme.
 
         ``fp8ref.linear``, the selector's probe and timing, and ``Fp8Linear`` call this, so a
         backend can skip materialising the FP8 activation codes (the CPU backends write the
@@ -105,7 +134,7 @@ class Backend:
             from .schemes import W8A8_FP8
 
             scheme = W8A8_FP8.activation
-        return self.scaled_mm(self.quantize(x, scheme), w, bias, out_dtype)
+        return self.scaled_mm(backend_quantize(self, x, scheme, scale), w, bias, out_dtype)
 
     def prepare_weight(self, w: Quantized) -> Any:
         """Optional load-time hook: turn a quantized weight into whatever ``scaled_mm`` is fastest
@@ -114,6 +143,42 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.precision.value}>"
+
+
+def _takes_scale(backend: Backend) -> bool:
+    """Whether ``backend.quantize`` has a ``scale`` parameter (backends written before it had none)."""
+    try:
+        params = inspect.signature(backend.quantize).parameters
+    except (TypeError, ValueError):
+        return True
+    return "scale" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def backend_quantize(backend: Backend, x: torch.Tensor, scheme: QuantScheme,
+                     scale: torch.Tensor | None = None) -> Quantized:
+    """``backend.quantize(x, scheme, scale=scale)``; ``scale`` is passed only when given, so a
+    backend whose ``quantize(x, scheme)`` predates static scales still runs dynamic schemes."""
+    if scale is None:
+        return backend.quantize(x, scheme)
+    if not _takes_scale(backend):
+        raise TypeError(f"backend {backend.name!r}: quantize(x, scheme) takes no scale=, so it cannot run the "
+                        f"static scheme {scheme.short_str()}")
+    return backend.quantize(x, scheme, scale=scale)
+
+
+def decline_reason(backend: Backend, case: Case) -> str | None:
+    """Why ``backend`` does not take ``case`` (None if it does): the op is not among
+    ``backend.ops``, a static scheme meets a ``quantize`` without ``scale=``, or ``supports`` says
+    so. A ``supports`` that raises is a decline with the exception as its reason."""
+    if case.op not in backend.ops:
+        return f"backend {backend.name!r} declares ops {tuple(backend.ops)}, not {case.op}"
+    act = case.recipe.activation  # weights reach a backend already quantized; activations it quantizes
+    if case.op != "scaled_mm" and not act.dynamic and not _takes_scale(backend):
+        return f"backend {backend.name!r}: quantize takes no scale=, so no static scheme ({act.short_str()})"
+    try:
+        return backend.supports(case)
+    except Exception as exc:
+        return f"supports() raised {type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -156,6 +221,9 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     if not isinstance(backend.accumulation, Accumulation):
         raise TypeError(f"backend {backend.name!r}: accumulation must be an fp8ref.Accumulation")
     precision_class(backend.accumulation, backend.output_roundings)  # validates output_roundings
+    ops = getattr(backend, "ops", None)
+    if not isinstance(ops, (tuple, list, frozenset, set)) or not ops or not set(ops) <= set(OPS):
+        raise ValueError(f"backend {backend.name!r}: ops must be a non-empty collection of {OPS}, got {ops!r}")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
     _REGISTRY[backend.name] = backend

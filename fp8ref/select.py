@@ -48,7 +48,7 @@ from ._machine import cpu_model
 from .bounds import PrecisionClass
 from .gemm import scaled_mm
 from .quant import Quantized, dequantize, quantize
-from .registry import _REGISTRY, Backend, Case, _ensure_loaded, get_backend
+from .registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend
 from .schemes import Granularity, QuantScheme
 
 __all__ = [
@@ -786,7 +786,7 @@ def _supports(backend: Backend, case: Case) -> str | None:
                          out_dtype=case.out_dtype, device=case.device, has_bias=case.has_bias))
     for c in variants:
         try:
-            reason = backend.supports(c)
+            reason = decline_reason(backend, c)
         except Exception as exc:
             return f"supports() raised {exc!r}"
         if reason is not None:
@@ -938,7 +938,7 @@ def _forced(name: str, case: Case, precision: str, origin: str) -> Backend:
     if reason is not None:
         raise BackendUnavailableError(f"{origin}: backend {name!r} is not available here: {reason}")
     for c in _case_variants(case):
-        reason = b.supports(c)
+        reason = decline_reason(b, c)
         if reason is not None:
             raise BackendUnavailableError(f"{origin}: backend {name!r} does not support {c.short_str()}: {reason}")
     if not PrecisionClass(precision).admits(b.precision):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import pytest
@@ -19,6 +20,27 @@ from fp8ref.registry import Backend, Case
 
 L = sys.modules["fp8ref.linear"]  # fp8ref.linear is the function; the module lives here
 CASE = Case(M=8, N=48, K=64, recipe=fp8ref.W8A8_FP8)
+
+
+class _Clock:
+    """The selector's clock in these tests: real time plus the fake backends' simulated delays.
+
+    A fake backend's delay is added to the clock instead of slept, so "t-slow is 2 ms slower"
+    holds exactly however loaded the machine is (``time.sleep`` overshoots by milliseconds under
+    load, which once turned a 1 ms vs 3 ms race around); real work still counts as real time.
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+CLOCK = _Clock()
 
 
 class Good(Backend):
@@ -45,7 +67,7 @@ class Good(Backend):
         if self.broken:
             raise RuntimeError("simulated kernel launch failure")
         if self.delay:
-            time.sleep(self.delay)
+            CLOCK.sleep(self.delay)
         y = a.dequantize(torch.float32) @ b.dequantize(torch.float32).T
         if self.output_roundings == 2:
             y = y.to(out_dtype).to(torch.float32)
@@ -82,6 +104,7 @@ class Unavailable(Good):
 def fakes(tmp_path, monkeypatch):
     """Register fake backends in an isolated cache dir; remove them afterwards."""
     monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(sel, "time", types.SimpleNamespace(perf_counter=CLOCK.perf_counter))
     monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
     monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
     sel.clear_cache()

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import bounds
 from ..quant import Quantized, expand_scale, saturation_threshold
-from ..registry import Backend, Case, get_backend
+from ..registry import Backend, Case, decline_reason, get_backend
 from ..schemes import W8A8_FP8, Granularity, Recipe, get_recipe
 from .report import AuditReport, BackendAudit, ErrorStats, LayerStats, ModelMetrics, Thresholds
 
@@ -252,7 +252,7 @@ class _Runner:
                 qw = self._weights[key][0]
                 return y, lambda: self._quantize_x(b, x2, x2 if src is None else src), qw, b
             b = self.backend
-            reason = b.supports(self._case(x2, w, bias, od))
+            reason = decline_reason(b, self._case(x2, w, bias, od))
             if reason is not None:
                 raise ValueError(f"backend {b.name!r} does not take layer {key!r} "
                                  f"(M={x2.shape[0]}, N={w.shape[0]}, K={w.shape[1]}, {x2.dtype}): {reason}")

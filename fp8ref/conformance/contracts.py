@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from .. import gemm, quant
 from ..bounds import gemm_error_bound, linear_error_bound, quantization_error_bound
 from ..quant import Quantized
-from ..registry import Backend, Case
+from ..registry import Backend, Case, decline_reason
 from . import strategies as fst
 from .profiles import Profile
 
@@ -87,7 +87,7 @@ class Contract:
 
 
 def _require(backend: Backend, case: Case) -> None:
-    reason = backend.supports(case)
+    reason = decline_reason(backend, case)
     if reason is not None:
         raise Declined(f"supports: {reason}")
 
@@ -400,9 +400,10 @@ def check_scaled_mm_batch_invariant(backend: Backend, p: fst.GemmProblem) -> flo
     a, b, bias, _ = _gemm_ref(p)
     y = _mm(backend, a, b, bias, p.out_dtype)
     for i in sorted({0, p.M // 2, p.M - 1}):
-        sub = Case(1, p.N, p.K, p.recipe, torch.bfloat16, p.out_dtype, has_bias=p.has_bias)
-        if backend.supports(sub) is not None:
-            raise Declined(f"supports declines M=1: {backend.supports(sub)}")
+        sub = Case(1, p.N, p.K, p.recipe, torch.bfloat16, p.out_dtype, has_bias=p.has_bias, op="scaled_mm")
+        reason = decline_reason(backend, sub)
+        if reason is not None:
+            raise Declined(f"supports declines M=1: {reason}")
         yi = _mm(backend, _row_slice(a, i), b, bias, p.out_dtype)
         # Values, not bits: a zero's sign depends on summation order and matters to no one.
         if not torch.equal(yi[0].to(torch.float64), y[i].to(torch.float64)):

@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..quant import Quantized
-from ..registry import Backend, Case
+from ..registry import Backend, Case, decline_reason
 from ..schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8
 
 __all__ = ["accumulator_bits", "PROBE_MAX_BITS"]
@@ -69,8 +69,8 @@ def accumulator_bits(backend: Backend, device: str = "cpu") -> int | None:
         for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
             # Small-M kernels (decode) decline 32 rows: feed them the probe rows in chunks.
             for rows in (_M, 16, 4, 1):
-                case = Case(rows, _N, _K, recipe, torch.bfloat16, out_dtype, device=device)
-                if backend.supports(case) is None:
+                case = Case(rows, _N, _K, recipe, torch.bfloat16, out_dtype, device=device, op="scaled_mm")
+                if decline_reason(backend, case) is None:
                     return _read(backend, recipe, out_dtype, rows, device)
     return None
 

@@ -342,7 +342,7 @@ class QuantizeProblem:
 
     def case(self) -> Case:
         recipe = Recipe("quantize", self.scheme, self.scheme)
-        return Case(self.rows, self.rows, self.cols, recipe, self.x_dtype)
+        return Case(self.rows, self.rows, self.cols, recipe, self.x_dtype, op="quantize")
 
     def __repr__(self) -> str:
         return (f"quantize x[{self.rows}, {self.cols}] {_dname(self.x_dtype)} = {self.x!r} "
@@ -375,7 +375,8 @@ class GemmProblem:
         return a, b, bias
 
     def case(self) -> Case:
-        return Case(self.M, self.N, self.K, self.recipe, torch.bfloat16, self.out_dtype, has_bias=self.has_bias)
+        return Case(self.M, self.N, self.K, self.recipe, torch.bfloat16, self.out_dtype, has_bias=self.has_bias,
+                    op="scaled_mm")
 
     def __repr__(self) -> str:
         return (f"scaled_mm M={self.M} N={self.N} K={self.K} {self.recipe.short_str()} "

@@ -128,7 +128,7 @@ def _fast_ok(scheme: QuantScheme) -> bool:
     return scheme.dynamic and scheme.scale_dtype == torch.float32
 
 
-def fast_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
+def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
     """``fp8ref.quantize`` for dynamic schemes with fp32 scales, in fewer passes over ``x``.
 
     Computes the same expressions as the spec in the same order (amax in fp32 -- exact --,
@@ -136,7 +136,8 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     cast), so the codes and scales are bit-identical to ``fp8ref.quantize``; what it saves is the
     full fp32 copy of ``x`` and the separate finiteness and saturation passes. A non-finite input
     still raises ``ValueError``: NaN or Inf in a block makes that block's amax non-finite, which is
-    checked on the (small) amax tensor. Other schemes go to the reference quantizer.
+    checked on the (small) amax tensor. Other schemes (static ones with their ``scale`` among them)
+    go to the reference quantizer.
 
     ``n_saturated`` is 0: with a dynamic fp32 scale s = fl(max(amax, floor)/qmax), |x/s| <=
     qmax (1 + u32)^2, far below the saturation threshold qmax + ulp(qmax)/2, and pow2 scales only
@@ -151,8 +152,8 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     >>> torch.equal(q.data.view(torch.uint8), fp8ref.quantize(x).data.view(torch.uint8))
     True
     """
-    if not _fast_ok(scheme):
-        return quant.quantize(x, scheme)
+    if scale is not None or not _fast_ok(scheme):
+        return quant.quantize(x, scheme, scale)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16,
                                                                             torch.float16):
         return quant.quantize(x, scheme)  # the reference raises the right error or handles fp64

@@ -213,7 +213,9 @@ class CpuWideBackend(Backend):
                     f"covers; out_dtype {out_dtype} needs cpu-fp32")
         return None
 
-    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        if scale is not None:
+            return fast_quantize(x, scheme, scale)
         if self.compile and self._fusable(x, scheme):
             q, s, amax = _COMPILED.run("codes", _quant_codes, x, scheme.qmax, scheme.amax_floor,
                                        scheme.format.torch_dtype)
@@ -280,8 +282,9 @@ class CpuWideBackend(Backend):
         return y.to(out_dtype)
 
     def linear(self, x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16, scheme: QuantScheme | None = None) -> torch.Tensor:
-        """``scaled_mm(quantize(x, scheme), w, bias, out_dtype)``, fused where it can be.
+               out_dtype: torch.dtype = torch.bfloat16, scheme: QuantScheme | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``scaled_mm(quantize(x, scheme, scale), w, bias, out_dtype)``, fused where it can be.
 
         Bit-identical to the two calls. For a per-row dynamic activation scheme and a weight with
         one scale along K (per-row or per-tensor), the FP8 codes are never materialised: the
@@ -301,9 +304,9 @@ class CpuWideBackend(Backend):
         scheme = W8A8_FP8.activation if scheme is None else scheme
         b, extra = unwrap(w, self.name)
         one_k_block = b.scheme.block_shape(*b.data.shape)[1] >= b.data.shape[1]
-        if not (self._fusable(x, scheme) and one_k_block and isinstance(b, Quantized)
+        if not (scale is None and self._fusable(x, scheme) and one_k_block and isinstance(b, Quantized)
                 and x.shape[1] == b.data.shape[1]):
-            return self.scaled_mm(self.quantize(x, scheme), w, bias, out_dtype)
+            return self.scaled_mm(self.quantize(x, scheme, scale), w, bias, out_dtype)
         reason = self._out_reason(out_dtype)
         if reason:
             raise ValueError(reason)

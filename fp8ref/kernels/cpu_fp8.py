@@ -762,8 +762,8 @@ class CpuFp8Backend(Backend):
                     "or cpu-fp32")
         return None
 
-    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
-        return fast_quantize(x, scheme)
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        return fast_quantize(x, scheme, scale)
 
     def prepare_weight(self, w: Quantized) -> PreparedWeight:
         """Check the codes once (no NaN codes) so that ``scaled_mm`` need not re-read the weight."""

@@ -14,8 +14,8 @@ class ReferenceBackend(Backend):
     accumulation = Accumulation.EXACT
     output_roundings = 1
 
-    def quantize(self, x, scheme):
-        return quant.quantize(x, scheme)
+    def quantize(self, x, scheme, scale=None):
+        return quant.quantize(x, scheme, scale)
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
         return gemm.scaled_mm(a, b, bias, out_dtype)

@@ -215,8 +215,8 @@ class _SglBase(Backend):
             return "sgl-kernel GEMMs take e4m3fn weights"
         return _quant_reason(case.recipe.activation)
 
-    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
-        reason = _quant_reason(scheme)
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        reason = _quant_reason(scheme) or (None if scale is None else "sgl-kernel computes dynamic fp32 scales only")
         if reason:
             raise ValueError(reason)
         sgl = _sgl()

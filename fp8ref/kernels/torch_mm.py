@@ -140,8 +140,8 @@ class TorchScaledMMBackend(Backend):
             _TRIALS[key] = reason
         return reason
 
-    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
-        return fast_quantize(x, scheme)
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        return fast_quantize(x, scheme, scale)
 
     def _weight_operand(self, b: Quantized, pad: bool) -> torch.Tensor:
         """``b`` as the column-major ``[K, N]`` operand (K and N zero-padded to 16 if ``pad``)."""

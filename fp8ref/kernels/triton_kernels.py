@@ -281,6 +281,8 @@ class TritonBackend(Backend):
         reason = _quant_reason(act)
         if reason:
             return f"activation scheme {act.short_str()}: {reason}"
+        if case.op == "quantize":
+            return None
         if wt.format != E4M3FN:
             return f"the triton GEMM takes e4m3fn weights, not {wt.format.name}"
         widths = set()
@@ -294,7 +296,9 @@ class TritonBackend(Backend):
             return f"the triton GEMM takes K-blocks of {_SEG_WIDTHS}"
         return None
 
-    def quantize(self, x: torch.Tensor, scheme: QuantScheme) -> Quantized:
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        if scale is not None:
+            raise ValueError(f"backend {self.name!r}: the triton quantize kernel computes dynamic scales only")
         return triton_quantize(x, scheme)
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
