@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import fp8ref
-from fp8ref import quant
 from fp8ref.registry import Case, get_backend
+from fp8ref.spec import quant
 
 #: (K, N) of Llama-3.1-8B's linear layers: o_proj, gate/up_proj, down_proj, fused qkv_proj.
 LLAMA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144)]

@@ -4,7 +4,14 @@ The spec (formats, schemes, the reference quantizer and scaled GEMM, error bound
 this package and imports no backend. See docs/spec.md for the contract.
 """
 
-from .bounds import (
+from .api import explain, linear, reference_linear
+from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
+from .nn import Fp8Linear, QuantizeSummary, quantize_model
+from .registry import Backend, BackendInfo, Case, backends, get_backend, register_backend, unregister_backend
+from .select import BackendUnavailableError, Decision, NoCompliantBackendError
+from .select import clear_cache as clear_selection_cache
+from .select import select as select_backend
+from .spec.bounds import (
     Accumulation,
     PrecisionClass,
     gamma,
@@ -14,14 +21,10 @@ from .bounds import (
     quantization_error_bound,
     reference_gemm_error_bound,
 )
-from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
-from .formats import E4M3FN, E4M3FNUZ, E5M2, FORMATS, Fp8Format, get_format
-from .gemm import scaled_mm, scaled_mm_exact
-from .linear import explain, linear, reference_linear  # shadows the submodule: use sys.modules["fp8ref.linear"]
-from .nn import Fp8Linear, QuantizeSummary, quantize_model
-from .quant import Quantized, dequantize, quantize
-from .registry import Backend, BackendInfo, Case, backends, get_backend, register_backend, unregister_backend
-from .schemes import (
+from .spec.formats import E4M3FN, E4M3FNUZ, E5M2, FORMATS, Fp8Format, get_format
+from .spec.gemm import scaled_mm, scaled_mm_exact
+from .spec.quant import Quantized, dequantize, quantize
+from .spec.schemes import (
     DEFAULT_AMAX_FLOOR,
     FP8_BLOCK,
     FP8_DYNAMIC,
@@ -34,9 +37,6 @@ from .schemes import (
     Recipe,
     get_recipe,
 )
-from .select import BackendUnavailableError, Decision, NoCompliantBackendError
-from .select import clear_cache as clear_selection_cache
-from .select import select as select_backend
 
 __version__ = "0.1.0"
 

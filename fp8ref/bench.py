@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import quant
-from .bounds import PrecisionClass
 from .registry import Backend, Case, backends, decline_reason, get_backend
-from .schemes import FP8_BLOCK, W8A8_FP8, QuantScheme, Recipe, get_recipe
+from .spec import quant
+from .spec.bounds import PrecisionClass
+from .spec.schemes import FP8_BLOCK, W8A8_FP8, QuantScheme, Recipe, get_recipe
 
 __all__ = [
     "LLAMA3_8B_SHAPES",
@@ -258,10 +258,10 @@ def peer_api(module: str, attr: str) -> tuple[Any | None, str | None]:
     Examples
     --------
     >>> from fp8ref.bench import peer_api
-    >>> peer_api("fp8ref.quant", "quantize")[1] is None
+    >>> peer_api("fp8ref.spec.quant", "quantize")[1] is None
     True
-    >>> peer_api("fp8ref.quant", "no_such_thing")[1]
-    'fp8ref.quant.no_such_thing is not available: no attribute no_such_thing'
+    >>> peer_api("fp8ref.spec.quant", "no_such_thing")[1]
+    'fp8ref.spec.quant.no_such_thing is not available: no attribute no_such_thing'
     """
     try:
         mod = importlib.import_module(module)
@@ -419,7 +419,7 @@ def bench_quantization(device: str = "cpu", backend_names: Sequence[str | Backen
 def _linear_api() -> tuple[Callable | None, str | None]:
     # fp8ref.linear is both a module and, once the selector lands, a function: take the
     # function from the module so the package attribute's shadowing does not matter.
-    return peer_api("fp8ref.linear", "linear")
+    return peer_api("fp8ref.api", "linear")
 
 
 def _auto_callable(xsets: Sequence[torch.Tensor], wsets: Sequence[torch.Tensor], qweights: Sequence[quant.Quantized],
@@ -456,7 +456,7 @@ def _selected_backend(x: torch.Tensor, weight: Any, recipe: Recipe) -> str | Non
     Asked through ``fp8ref.linear.explain``, which builds the very case ``linear`` does, so the
     answer comes from the selector's cache rather than from a new probe.
     """
-    explain, _ = peer_api("fp8ref.linear", "explain")
+    explain, _ = peer_api("fp8ref.api", "explain")
     if explain is None:
         return None
     try:
@@ -652,7 +652,7 @@ def bench_reference(device: str = "cpu", *, M: int = 128, K: int = 4096, N: int 
     >>> sorted(r)[:2]
     ['fp32_linear_s', 'quantize']
     """
-    from .gemm import scaled_mm
+    from .spec.gemm import scaled_mm
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(M, K, device=device, generator=g)
@@ -693,7 +693,7 @@ def _clear_selector_memory() -> bool:
 
 def _release_weights() -> None:
     """Drop ``fp8ref.linear``'s cached quantized/prepared weights once a benchmark is done with them."""
-    fn, _ = peer_api("fp8ref.linear", "clear_weight_cache")
+    fn, _ = peer_api("fp8ref.api", "clear_weight_cache")
     if callable(fn):
         fn()
 

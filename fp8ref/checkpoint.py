@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from ._io import atomic_write
-from .formats import E4M3FN
 from .nn import Fp8Linear
-from .quant import Quantized
-from .schemes import FP8_DYNAMIC, Granularity, Recipe
+from .spec.formats import E4M3FN
+from .spec.quant import Quantized
+from .spec.schemes import FP8_DYNAMIC, Granularity, Recipe
 
 __all__ = ["save_fp8_dynamic", "load_fp8_dynamic", "compressed_tensors_config", "CheckpointError"]
 

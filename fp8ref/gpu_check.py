@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from .quant import Quantized
 from .registry import Backend, Case, backend_quantize
+from .spec.quant import Quantized
 
 __all__ = ["TARGETS", "build_parser", "evaluate_targets", "write_json", "write_summary", "summary_markdown",
            "cuda_backends", "OnDevice", "main"]
@@ -59,7 +59,7 @@ EXIT_OK, EXIT_FAILED, EXIT_NO_DEVICE = 0, 1, 2
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``python -m fp8ref.gpu_check``."""
-    from .cli_bench import _ints, _shape
+    from .cli.bench import _ints, _shape
 
     p = argparse.ArgumentParser(prog="python -m fp8ref.gpu_check",
                                 description="fp8ref GPU evidence run: conformance, accumulator bits, FP8 vs bf16 speed")
@@ -386,7 +386,7 @@ def evaluate_targets(res: dict, compliant: Sequence[str] | None = None, targets:
 def _admits(required: str | None, declared: str | None) -> bool:
     """Whether auto, requiring class ``required``, may pick a backend of class ``declared``
     (True when either is unknown: then every backend counts)."""
-    from .bounds import PrecisionClass
+    from .spec.bounds import PrecisionClass
 
     if required is None or declared is None:
         return True

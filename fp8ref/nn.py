@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .linear import linear, tensor_version
-from .quant import Quantized, quantize
-from .schemes import W8A8_FP8, Recipe, get_recipe
+from .api import linear, tensor_version
+from .spec.quant import Quantized, quantize
+from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
 __all__ = ["Fp8Linear", "QuantizeSummary", "quantize_model"]
 

@@ -2,7 +2,7 @@
 
 A backend is a real implementation of the two FP8 ops; it declares how it accumulates and how
 many times it rounds to the output dtype, which fixes the error bound it is checked against
-(``fp8ref.bounds.gemm_error_bound``) and its precision class. It says *why* it cannot take a
+(``fp8ref.spec.bounds.gemm_error_bound``) and its precision class. It says *why* it cannot take a
 case (``supports`` returns a reason string) instead of failing or computing something else.
 
 Third-party backends register with ``register_backend`` or through the entry-point group
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .bounds import Accumulation, PrecisionClass, precision_class
-from .quant import Quantized
-from .schemes import QuantScheme, Recipe
+from .spec.bounds import Accumulation, PrecisionClass, precision_class
+from .spec.quant import Quantized
+from .spec.schemes import QuantScheme, Recipe
 
 __all__ = ["Backend", "Case", "BackendInfo", "register_backend", "unregister_backend", "get_backend",
            "backends", "ENTRY_POINT_GROUP", "OPS", "decline_reason", "backend_quantize"]
@@ -131,7 +131,7 @@ class Backend:
         the selector's probe check it.
         """
         if scheme is None:
-            from .schemes import W8A8_FP8
+            from .spec.schemes import W8A8_FP8
 
             scheme = W8A8_FP8.activation
         return self.scaled_mm(backend_quantize(self, x, scheme, scale), w, bias, out_dtype)

@@ -42,14 +42,14 @@ from typing import Any
 
 import torch
 
-from . import bounds
 from ._io import atomic_write
 from ._machine import cpu_model
-from .bounds import PrecisionClass
-from .gemm import scaled_mm
-from .quant import Quantized, dequantize, quantize
 from .registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend
-from .schemes import Granularity, QuantScheme
+from .spec import bounds
+from .spec.bounds import PrecisionClass
+from .spec.gemm import scaled_mm
+from .spec.quant import Quantized, dequantize, quantize
+from .spec.schemes import Granularity, QuantScheme
 
 __all__ = [
     "DEFAULT_PRECISION",
@@ -465,7 +465,7 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: _ProbeSet | None
     """Check ``backend`` against the spec's bounds at ``case``'s shape, on random plus adversarial
     inputs, and time its calls.
 
-    Checks 1 and 2 are elementwise against a bound of ``fp8ref.bounds``, whose sum is the
+    Checks 1 and 2 are elementwise against a bound of ``fp8ref.spec.bounds``, whose sum is the
     end-to-end contract (``linear_error_bound`` is built from exactly these two terms):
 
     1. ``backend.quantize`` of the activations: scales equal the reference's up to the fp32

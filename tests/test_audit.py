@@ -28,8 +28,8 @@ from fp8ref.audit import (
     linear_layers,
 )
 from fp8ref.audit.core import ErrorAccumulator
-from fp8ref.bounds import U_FP64, gamma
 from fp8ref.registry import Backend, register_backend, unregister_backend
+from fp8ref.spec.bounds import U_FP64, gamma
 
 
 class TinyLM(nn.Module):

@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 
-from fp8ref import FP8_BLOCK, W8A8_FP8, QuantScheme, bench, quant
-from fp8ref.bounds import Accumulation
+from fp8ref import FP8_BLOCK, W8A8_FP8, QuantScheme, bench
 from fp8ref.cli import main
 from fp8ref.kernels.reference import ReferenceBackend
 from fp8ref.registry import Backend
+from fp8ref.spec import quant
+from fp8ref.spec.bounds import Accumulation
 
 
 class _Counter:
@@ -88,7 +89,7 @@ def test_ceilings_are_positive_and_say_what_they_measured():
 
 
 def test_peer_api_reports_what_is_missing():
-    assert bench.peer_api("fp8ref.quant", "quantize") == (quant.quantize, None)
+    assert bench.peer_api("fp8ref.spec.quant", "quantize") == (quant.quantize, None)
     obj, reason = bench.peer_api("fp8ref.no_such_module", "f")
     assert obj is None and "cannot import fp8ref.no_such_module" in reason
 

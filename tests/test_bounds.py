@@ -7,8 +7,8 @@ import torch
 
 import fp8ref
 from fp8ref import Accumulation, PrecisionClass, QuantScheme, quantize
-from fp8ref.bounds import gamma, gemm_error_bound, linear_error_bound, precision_class
-from fp8ref.gemm import k_segments, scale_column
+from fp8ref.spec.bounds import gamma, gemm_error_bound, linear_error_bound, precision_class
+from fp8ref.spec.gemm import k_segments, scale_column
 
 RECIPES = list(fp8ref.RECIPES.values())
 

@@ -17,7 +17,7 @@ import fp8ref
 from fp8ref import checkpoint
 from fp8ref import select as sel
 
-L = sys.modules["fp8ref.linear"]
+L = sys.modules["fp8ref.api"]
 
 
 @pytest.fixture(autouse=True)

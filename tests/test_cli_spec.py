@@ -1,7 +1,7 @@
 """The spec's CLI subcommands: ``fp8ref formats`` and the main job ``fp8ref demo``."""
 
 from fp8ref.cli import main
-from fp8ref.cli_spec import demo_linear
+from fp8ref.cli.spec import demo_linear
 
 
 def test_formats_table_and_codes(capsys):

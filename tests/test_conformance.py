@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 
-from fp8ref.bounds import Accumulation
 from fp8ref.cli import main as cli_main
 from fp8ref.conformance import (
     CONTRACT_NAMES,
@@ -24,6 +23,7 @@ from fp8ref.conformance import strategies as fst
 from fp8ref.conformance.peers import PEER_CHECKS, peer_accepts
 from fp8ref.pytest_plugin import fp8ref_certify  # noqa: F401,F811 -- the fixture, as a kernel repo gets it
 from fp8ref.registry import get_backend
+from fp8ref.spec.bounds import Accumulation
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from mutants.catalogue import Acc14Bits, Bf16Accumulation, Fp32Base, HonestBf16, ScaleTwice  # noqa: E402

@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-SPEC_MODULES = ["fp8ref.formats", "fp8ref.schemes", "fp8ref.quant", "fp8ref.gemm", "fp8ref.bounds", "fp8ref.linear"]
+SPEC_MODULES = ["fp8ref.spec.formats", "fp8ref.spec.schemes", "fp8ref.spec.quant", "fp8ref.spec.gemm",
+                "fp8ref.spec.bounds", "fp8ref.api"]
 
 
 @pytest.mark.parametrize("name", SPEC_MODULES)

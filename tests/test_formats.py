@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref.formats import FORMATS, get_format
-from fp8ref.quant import round_to_format
+from fp8ref.spec.formats import FORMATS, get_format
+from fp8ref.spec.quant import round_to_format
 
 ALL = list(FORMATS.values())
 

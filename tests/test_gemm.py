@@ -7,8 +7,8 @@ import torch
 
 import fp8ref
 from fp8ref import Quantized, QuantScheme, quantize, scaled_mm
-from fp8ref.gemm import exact_plan, k_segments, scaled_mm_exact
-from fp8ref.quant import expand_scale
+from fp8ref.spec.gemm import exact_plan, k_segments, scaled_mm_exact
+from fp8ref.spec.quant import expand_scale
 
 
 def _fraction_gemm(a: Quantized, b: Quantized, bias=None):

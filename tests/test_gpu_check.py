@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from fp8ref import W8A8_FP8, gpu_check, quantize, scaled_mm
-from fp8ref.bounds import Accumulation, PrecisionClass
 from fp8ref.registry import Backend, Case
+from fp8ref.spec.bounds import Accumulation, PrecisionClass
 
 ROOT = Path(__file__).resolve().parents[1]
 

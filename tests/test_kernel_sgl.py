@@ -9,9 +9,9 @@ kernels; the kernels are checked by tests/test_kernels.py on a CUDA machine with
 import pytest
 import torch
 
-from fp8ref import bounds, gemm, quant
 from fp8ref.kernels import sgl
-from fp8ref.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8
+from fp8ref.spec import bounds, gemm, quant
+from fp8ref.spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8
 
 
 def _emulate_fp8_scaled_mm(mat_a, mat_b, scales_a, scales_b, out_dtype, bias=None):

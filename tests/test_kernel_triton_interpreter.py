@@ -16,10 +16,10 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from fp8ref import quant  # noqa: E402
-from fp8ref.formats import E4M3FN  # noqa: E402
 from fp8ref.kernels.triton_kernels import interpreting, rne_e4m3_reference, triton_quantize  # noqa: E402
-from fp8ref.schemes import QuantScheme  # noqa: E402
+from fp8ref.spec import quant  # noqa: E402
+from fp8ref.spec.formats import E4M3FN  # noqa: E402
+from fp8ref.spec.schemes import QuantScheme  # noqa: E402
 
 
 def _ledger():

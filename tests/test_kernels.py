@@ -1,6 +1,6 @@
 """Every shipped backend against the spec: exact codes for quantize, the derived bound for the GEMM.
 
-Tolerances come only from ``fp8ref.bounds.gemm_error_bound`` with the backend's own declaration.
+Tolerances come only from ``fp8ref.spec.bounds.gemm_error_bound`` with the backend's own declaration.
 Backends that cannot run here are skipped with their reason; cases a backend declines are
 skipped with the decline's reason (and the decline itself is tested in ``test_declines``).
 """
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref import bounds, gemm, quant
 from fp8ref.registry import Case, get_backend
-from fp8ref.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
+from fp8ref.spec import bounds, gemm, quant
+from fp8ref.spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
 
 SHIPPED = ["torch", "torch-fast", "cpu-bf16", "cpu-fp32", "cpu-fp8", "triton", "sgl-kernel", "sgl-kernel-block"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

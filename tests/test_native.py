@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref import bounds, gemm, quant
-from fp8ref.formats import E4M3FN, E4M3FNUZ, E5M2
 from fp8ref.kernels import _common, cpu, cpu_fp8
-from fp8ref.schemes import QuantScheme
+from fp8ref.spec import bounds, gemm, quant
+from fp8ref.spec.formats import E4M3FN, E4M3FNUZ, E5M2
+from fp8ref.spec.schemes import QuantScheme
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import fp8ref
-from fp8ref import bounds
 from fp8ref import select as sel
+from fp8ref.spec import bounds
 
-L = sys.modules["fp8ref.linear"]
+L = sys.modules["fp8ref.api"]
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import torch
 
 import fp8ref
 from fp8ref import QuantScheme, quantize
-from fp8ref.quant import expand_scale
+from fp8ref.spec.quant import expand_scale
 
 SCHEMES = [
     QuantScheme(),
@@ -195,7 +195,7 @@ def test_quantized_validates_its_fields():
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
 def test_chunked_passes_do_not_change_a_bit(scheme, monkeypatch):
     """The quantizer works in row chunks (memory); chunk edges must not show in the result."""
-    from fp8ref import quant
+    from fp8ref.spec import quant
 
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(301, 77, generator=g) * torch.logspace(-3, 3, 77)).to(torch.bfloat16)

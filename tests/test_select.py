@@ -18,7 +18,7 @@ import fp8ref
 from fp8ref import select as sel
 from fp8ref.registry import Backend, Case
 
-L = sys.modules["fp8ref.linear"]  # fp8ref.linear is the function; the module lives here
+L = sys.modules["fp8ref.api"]  # fp8ref.linear is the function; the module lives here
 CASE = Case(M=8, N=48, K=64, recipe=fp8ref.W8A8_FP8)
 
 

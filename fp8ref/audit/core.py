@@ -5,7 +5,7 @@ How one batch is processed (docs/audit.md):
 1. **Float pass.** Forward hooks on every audited ``nn.Linear`` keep the exact float input
    ``x_fp`` and output ``y_fp`` and, for every backend audited, compute the layer's FP8 output
    on that exact input: the layer's *own* error, and (on a sample of rows) the worst ratio of
-   |error| to the spec's end-to-end bound ``fp8ref.bounds.linear_error_bound``.
+   |error| to the spec's end-to-end bound ``fp8ref.spec.bounds.linear_error_bound``.
 2. **One FP8 pass per backend.** The hooks replace each layer's output with the FP8 output
    computed from the input the FP8 model actually produced (``x_q``): the *total* error against
    ``y_fp``, the incoming error ``x_q`` vs ``x_fp``, and the part of the error the float layer
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import bounds
-from ..quant import Quantized, expand_scale, saturation_threshold
 from ..registry import Backend, Case, decline_reason, get_backend
-from ..schemes import W8A8_FP8, Granularity, Recipe, get_recipe
+from ..spec import bounds
+from ..spec.quant import Quantized, expand_scale, saturation_threshold
+from ..spec.schemes import W8A8_FP8, Granularity, Recipe, get_recipe
 from .report import AuditReport, BackendAudit, ErrorStats, LayerStats, ModelMetrics, Thresholds
 
 __all__ = ["audit_model", "linear_layers", "RATIO_BIN_EDGES", "ErrorAccumulator"]
@@ -239,7 +239,7 @@ class _Runner:
         t0 = time.perf_counter()
         try:
             if self.linear is not None:
-                from ..linear import quantize_weight
+                from ..api import quantize_weight
                 from ..select import resolve
 
                 b, _ = resolve(self._case(x2, w, bias, od), "auto", self.precision)
@@ -457,7 +457,7 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
     skip : sequence of str
         Linear layers left in float (default ``lm_head``, as SGLang's online FP8 does).
     bound_rows, bound_cols, bound_batches : int
-        The error is checked against ``fp8ref.bounds.linear_error_bound`` on a sample of
+        The error is checked against ``fp8ref.spec.bounds.linear_error_bound`` on a sample of
         ``bound_rows`` tokens x ``bound_cols`` output channels of each layer's output, in the
         first ``bound_batches`` batches (the bound costs several float64 GEMMs and an elementwise
         bound on the weight: sampling keeps it a small part of the audit). 0 rows disables it.

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..quant import compute_scale, quantize
-from ..schemes import W8A8_FP8, Granularity, QuantScheme, Recipe, get_recipe
+from ..spec.quant import compute_scale, quantize
+from ..spec.schemes import W8A8_FP8, Granularity, QuantScheme, Recipe, get_recipe
 from .core import _matches
 from .report import _dec_float, _enc
 

@@ -1,7 +1,7 @@
 """The conformance suite: certify any FP8 backend against the spec, property by property.
 
 ``check(backend)`` runs every contract of ``CONTRACTS`` (quantize, scaled_mm and linear, each
-against the reference and the derived bounds of ``fp8ref.bounds``) as a Hypothesis search and
+against the reference and the derived bounds of ``fp8ref.spec.bounds``) as a Hypothesis search and
 returns a ``Report`` with the shrunk minimal counterexample of each failure. The same machinery
 backs ``fp8ref conformance`` (CLI), ``pytest properties`` and the ``fp8ref_certify`` pytest
 fixture. See docs/conformance.md.

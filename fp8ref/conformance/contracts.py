@@ -4,7 +4,7 @@ Each row names the op it checks, its kind and its bound:
 
 * ``exact``   -- the backend must produce these bits (identities that hold for any conforming
   implementation, e.g. determinism, sign symmetry, lossless quantization of grid values);
-* ``bounded`` -- the error against the reference is within a bound from ``fp8ref.bounds``;
+* ``bounded`` -- the error against the reference is within a bound from ``fp8ref.spec.bounds``;
 * ``probe``   -- a crafted, deterministic measurement compared with the backend's declaration;
 * ``info``    -- a characteristic reported as yes/no, never a failure (batch invariance,
   bit-exact quantization).
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from .. import gemm, quant
-from ..bounds import gemm_error_bound, linear_error_bound, quantization_error_bound
-from ..quant import Quantized
 from ..registry import Backend, Case, decline_reason
+from ..spec import gemm, quant
+from ..spec.bounds import gemm_error_bound, linear_error_bound, quantization_error_bound
+from ..spec.quant import Quantized
 from . import strategies as fst
 from .profiles import Profile
 
@@ -58,7 +58,7 @@ class Contract:
     statement : str
         The property, in one sentence.
     bound : str
-        What the error is compared with (a function of ``fp8ref.bounds``, or "bit-exact").
+        What the error is compared with (a function of ``fp8ref.spec.bounds``, or "bit-exact").
     strategy : callable
         ``strategy(profile) -> SearchStrategy`` of problems (None for probes).
     check : callable

@@ -2,7 +2,7 @@
 
 These constants are *descriptions of other projects' tests* (read from their public sources,
 see /work/shared/CONVENTIONS.md, "How peers test"), not tolerances fp8ref uses: fp8ref derives
-every bound in ``fp8ref.bounds``. ``docs/mutants.md`` runs the mutant catalogue through each.
+every bound in ``fp8ref.spec.bounds``. ``docs/mutants.md`` runs the mutant catalogue through each.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import Quantized
+from ..spec.quant import Quantized
 
 __all__ = ["PeerCheck", "PEER_CHECKS", "peer_accepts"]
 

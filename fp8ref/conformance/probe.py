@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from ..quant import Quantized
 from ..registry import Backend, Case, decline_reason
-from ..schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8
+from ..spec.quant import Quantized
+from ..spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8
 
 __all__ = ["accumulator_bits", "PROBE_MAX_BITS"]
 

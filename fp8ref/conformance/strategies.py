@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis import strategies as st
 
-from ..formats import FORMATS, Fp8Format
-from ..quant import Quantized
 from ..registry import Case
-from ..schemes import RECIPES, Granularity, QuantScheme, Recipe
+from ..spec.formats import FORMATS, Fp8Format
+from ..spec.quant import Quantized
+from ..spec.schemes import RECIPES, Granularity, QuantScheme, Recipe
 from .profiles import Profile, get_profile
 
 __all__ = [
@@ -310,7 +310,7 @@ def _make_scales(spec: CodeSpec, rows: int, cols: int, scheme: QuantScheme, g: t
 def fp8_codes(draw, fmt: Fp8Format | str = "e4m3fn", max_elems: int = 64) -> torch.Tensor:
     """A 1-D tensor of FP8 values drawn element by element by bit pattern (NaN codes excluded);
     shrinks towards code 0."""
-    from ..formats import get_format
+    from ..spec.formats import get_format
 
     fmt = get_format(fmt)
     bits = draw(st.lists(st.integers(0, 255).filter(lambda b: b not in fmt.nan_codes), min_size=1,

@@ -1,7 +1,7 @@
 """Helpers shared by the shipped backends: a fast spec-exact quantizer, prepared weights, checks.
 
-Nothing here is part of the spec; every function is checked against ``fp8ref.quant`` /
-``fp8ref.gemm`` by ``tests/test_kernels.py``.
+Nothing here is part of the spec; every function is checked against ``fp8ref.spec.quant`` /
+``fp8ref.spec.gemm`` by ``tests/test_kernels.py``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from .. import quant
-from ..gemm import check_operands
-from ..quant import Quantized
-from ..schemes import Granularity, QuantScheme
+from ..spec import quant
+from ..spec.gemm import check_operands
+from ..spec.quant import Quantized
+from ..spec.schemes import Granularity, QuantScheme
 
 __all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_mm_args", "unwrap", "pad_last",
            "pad_weight", "zeros", "bias_fp32"]

@@ -23,7 +23,7 @@ exact codes; only the accumulation and the epilogue round.
     came out bit-identical with and without it, shapes 1x1x1 to 1024^3).
 
 Block and group recipes run one GEMM per K-segment on which both scales are constant, summing
-the scaled segment results in fp32 (``fp8ref.gemm.k_segments``).
+the scaled segment results in fp32 (``fp8ref.spec.gemm.k_segments``).
 
 The activation quantization and the epilogue can be fused with ``torch.compile`` (``compile=True``
 or ``FP8REF_COMPILE=1``): compiled lazily on first use, cached per process, and any compile or
@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..bounds import Accumulation
-from ..gemm import k_segments
-from ..quant import Quantized, check_float_input
 from ..registry import Backend, Case, register_backend
-from ..schemes import Granularity, QuantScheme
+from ..spec.bounds import Accumulation
+from ..spec.gemm import k_segments
+from ..spec.quant import Quantized, check_float_input
+from ..spec.schemes import Granularity, QuantScheme
 from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, native, native_rows, segment_scale, unwrap
 
 __all__ = ["CpuWideBackend", "compile_enabled"]
@@ -299,7 +299,7 @@ class CpuWideBackend(Backend):
         >>> be.linear(torch.randn(3, 32, dtype=torch.bfloat16), w).shape
         torch.Size([3, 8])
         """
-        from ..schemes import W8A8_FP8
+        from ..spec.schemes import W8A8_FP8
 
         scheme = W8A8_FP8.activation if scheme is None else scheme
         b, extra = unwrap(w, self.name)

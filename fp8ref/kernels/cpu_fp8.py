@@ -36,11 +36,11 @@ import threading
 import torch
 
 from .._machine import cpu_flags
-from ..bounds import Accumulation
-from ..formats import E4M3FN
-from ..quant import Quantized
 from ..registry import Backend, Case, register_backend
-from ..schemes import Granularity, QuantScheme
+from ..spec.bounds import Accumulation
+from ..spec.formats import E4M3FN
+from ..spec.quant import Quantized
+from ..spec.schemes import Granularity, QuantScheme
 from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, unwrap
 
 __all__ = ["CpuFp8Backend", "build", "native", "pack_weight", "MAX_M", "MAX_M_FALLBACK", "PACKED_ROWS"]
@@ -322,7 +322,7 @@ torch::Tensor fp8_e4m3_gemm(torch::Tensor a, torch::Tensor b, torch::Tensor sa, 
 
 // ---------------------------------------------------------------------------------------------
 // Fused per-row quantization and the scale epilogue, for every CPU backend (cpu-bf16, cpu-fp32,
-// cpu-fp8). Same expressions, same order as fp8ref.quant.quantize: amax in fp32 (exact),
+// cpu-fp8). Same expressions, same order as fp8ref.spec.quant.quantize: amax in fp32 (exact),
 // s = max(amax, floor) / qmax in fp32 (s == 0 -> 1, then at least FLT_MIN), v = x / s as one IEEE
 // fp32 division, clamp to +-qmax, one round-to-nearest-even onto the FP8 grid. The rounded value
 // is written as FP8 codes (mode 0), as its exact bf16 (mode 1) or fp32 (mode 2) value.

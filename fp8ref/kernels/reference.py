@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import gemm, quant
-from ..bounds import Accumulation
 from ..registry import Backend, register_backend
+from ..spec import gemm, quant
+from ..spec.bounds import Accumulation
 
 
 class ReferenceBackend(Backend):

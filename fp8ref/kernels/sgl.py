@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from ..bounds import Accumulation
-from ..formats import E4M3FN
-from ..quant import Quantized
 from ..registry import Backend, Case, register_backend
-from ..schemes import Granularity, QuantScheme
+from ..spec.bounds import Accumulation
+from ..spec.formats import E4M3FN
+from ..spec.quant import Quantized
+from ..spec.schemes import Granularity, QuantScheme
 from ._common import bias_fp32, check_mm_args, fast_quantize, pad_last, pad_weight, unwrap
 
 __all__ = ["SglKernelBackend", "SglBlockwiseBackend", "scaled_mm_args", "blockwise_mm_args",

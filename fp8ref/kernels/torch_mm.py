@@ -32,10 +32,10 @@ import threading
 
 import torch
 
-from ..bounds import Accumulation
-from ..quant import Quantized
 from ..registry import Backend, Case, register_backend
-from ..schemes import Granularity, QuantScheme
+from ..spec.bounds import Accumulation
+from ..spec.quant import Quantized
+from ..spec.schemes import Granularity, QuantScheme
 from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, pad_last, pad_weight, unwrap, zeros
 
 __all__ = ["TorchScaledMMBackend"]

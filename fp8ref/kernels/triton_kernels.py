@@ -33,12 +33,12 @@ import os
 
 import torch
 
-from ..bounds import Accumulation
-from ..formats import E4M3FN
-from ..gemm import OUT_DTYPES
-from ..quant import Quantized, check_float_input
 from ..registry import Backend, Case, register_backend
-from ..schemes import Granularity, QuantScheme
+from ..spec.bounds import Accumulation
+from ..spec.formats import E4M3FN
+from ..spec.gemm import OUT_DTYPES
+from ..spec.quant import Quantized, check_float_input
+from ..spec.schemes import Granularity, QuantScheme
 from ._common import bias_fp32, check_mm_args, fast_quantize, unwrap
 
 __all__ = ["TritonBackend", "triton_quantize", "triton_scaled_mm", "interpreting", "CUDA_ACCUMULATION",

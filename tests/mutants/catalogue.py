@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from fp8ref import gemm, quant
-from fp8ref.bounds import Accumulation
-from fp8ref.quant import Quantized
 from fp8ref.registry import Backend
-from fp8ref.schemes import Granularity
+from fp8ref.spec import gemm, quant
+from fp8ref.spec.bounds import Accumulation
+from fp8ref.spec.quant import Quantized
+from fp8ref.spec.schemes import Granularity
 
 # --------------------------------------------------------------------------------------------
 # building blocks

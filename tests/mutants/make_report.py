@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from fp8ref import quant
 from fp8ref.conformance import check, get_profile
 from fp8ref.conformance.peers import PEER_CHECKS, peer_accepts
-from fp8ref.schemes import RECIPES
+from fp8ref.spec import quant
+from fp8ref.spec.schemes import RECIPES
 
 from .catalogue import CORRECT, MUTANTS
 

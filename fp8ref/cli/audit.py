@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .schemes import RECIPES
+from ..spec.schemes import RECIPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
 
 
 def _thresholds(args: argparse.Namespace):
-    from .audit import Thresholds
+    from ..audit import Thresholds
 
     changes = {k: getattr(args, k) for k in ("drift_sqnr_db", "drift_ppl_rel", "drift_kl", "drift_top1")
                if getattr(args, k) is not None}
@@ -59,7 +59,7 @@ def _thresholds(args: argparse.Namespace):
 
 
 def _weights_only(args: argparse.Namespace, out: Path) -> int:
-    from .audit import audit_safetensors
+    from ..audit import audit_safetensors
 
     wa = audit_safetensors(args.model, args.recipe, progress=not args.no_progress)
     wa.save(out / "weights.json")
@@ -74,8 +74,8 @@ def _weights_only(args: argparse.Namespace, out: Path) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import AuditReport, audit_model, compare_audits, compare_reports
-    from .audit.material import encoder_batches, encoder_sentences, lm_batches, load_model, load_text
+    from ..audit import AuditReport, audit_model, compare_audits, compare_reports
+    from ..audit.material import encoder_batches, encoder_sentences, lm_batches, load_model, load_text
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +105,7 @@ def _audit(args: argparse.Namespace) -> int:
     (out / "audit.md").write_text(md)
     plots = []
     try:
-        from .audit.plots import write_plots
+        from ..audit.plots import write_plots
 
         plots = write_plots(rep, out)
     except ImportError as exc:

@@ -160,7 +160,7 @@ def scaled_mm_exact(a: Quantized, b: Quantized, bias: torch.Tensor | None = None
     segments are shorter than ``exact_plan(...).chunk``, i.e. ~171k).
 
     With ``absolute=True`` it computes sum_g |sa sb| sum_k |a_k b_k| instead (bias ignored): the
-    magnitude that every error bound in ``fp8ref.bounds`` is proportional to.
+    magnitude that every error bound in ``fp8ref.spec.bounds`` is proportional to.
     """
     check_operands(a, b, bias, torch.float64)
     M, K = a.data.shape

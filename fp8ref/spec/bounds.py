@@ -205,7 +205,7 @@ def reference_gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | 
     Notes
     -----
     y_ref = ``scaled_mm(a, b, bias, out_dtype=torch.float64)``. The reference makes no error
-    accumulating a segment (``fp8ref.gemm.exact_plan``) except n_add float64 additions of exact
+    accumulating a segment (``fp8ref.spec.gemm.exact_plan``) except n_add float64 additions of exact
     partial sums (0 for E4M3 operands); per segment it multiplies once by the exact float64
     product sa*sb and adds once into y; bias adds once more. So each term of y* meets at most
     nseg + n_add + 2 float64 roundings::

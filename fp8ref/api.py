@@ -8,11 +8,11 @@ import weakref as _weakref
 import torch
 
 from . import select as _select
-from .gemm import scaled_mm
-from .quant import Quantized, quantize
 from .registry import Backend as _Backend
 from .registry import Case as _Case
-from .schemes import W8A8_FP8, Recipe, get_recipe
+from .spec.gemm import scaled_mm
+from .spec.quant import Quantized, quantize
+from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
 __all__ = ["reference_linear", "quantize_weight", "flatten_activations", "linear", "explain", "clear_weight_cache",
            "tensor_version"]
@@ -253,7 +253,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
 def _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc):
     """The chosen backend raised under "auto": bad input is re-raised as the spec's error; else
     mark the backend failed for this case and retry down the ranking (the reference is last)."""
-    from .quant import check_float_input
+    from .spec.quant import check_float_input
 
     check_float_input(x2, "x")  # NaN/Inf or a bad dtype: the caller's error, not the backend's
     while True:

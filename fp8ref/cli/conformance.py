@@ -55,7 +55,7 @@ def load_known_failures(path: str | None) -> list[dict]:
 
 
 def _contract_table() -> str:
-    from .conformance.contracts import CONTRACTS
+    from ..conformance.contracts import CONTRACTS
 
     lines = [f"{'contract':30} {'kind':8} {'bound':26} statement"]
     lines += [f"{c.name:30} {c.kind:8} {c.bound:26} {c.statement}" for c in CONTRACTS]
@@ -64,11 +64,11 @@ def _contract_table() -> str:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        from .conformance import check, load_report, merge_reports
+        from ..conformance import check, load_report, merge_reports
     except ImportError as exc:
         print(f"fp8ref conformance needs hypothesis: pip install 'fp8ref[conformance]' ({exc})", file=sys.stderr)
         return 2
-    from .registry import backends
+    from ..registry import backends
 
     if args.list:
         print(_contract_table())

@@ -8,9 +8,9 @@ import json
 
 import torch
 
-from . import select as sel
-from .registry import Case, backends
-from .schemes import RECIPES, get_recipe
+from .. import select as sel
+from ..registry import Case, backends
+from ..spec.schemes import RECIPES, get_recipe
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}

@@ -12,11 +12,11 @@ import sys
 
 #: (module, description) of every subcommand module; each registers one or more subcommands.
 SUBCOMMAND_MODULES = (
-    "fp8ref.cli_spec",
-    "fp8ref.cli_select",
-    "fp8ref.cli_bench",
-    "fp8ref.cli_conformance",
-    "fp8ref.cli_audit",
+    "fp8ref.cli.spec",
+    "fp8ref.cli.select",
+    "fp8ref.cli.bench",
+    "fp8ref.cli.conformance",
+    "fp8ref.cli.audit",
 )
 
 

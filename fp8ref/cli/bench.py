@@ -91,7 +91,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from .. import bench
 
     if args.threads:
         import torch

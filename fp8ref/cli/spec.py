@@ -6,8 +6,8 @@ import argparse
 
 import torch
 
-from . import bounds, formats, quant, schemes
-from .linear import reference_linear
+from ..api import reference_linear
+from ..spec import bounds, formats, quant, schemes
 
 
 def add_parser(sub) -> None:
@@ -67,9 +67,9 @@ def _ratio_of(report, contract: str) -> str:
 def _demo(args: argparse.Namespace) -> int:
     import time
 
-    from .conformance import check
-    from .linear import linear
-    from .registry import backends
+    from ..api import linear
+    from ..conformance import check
+    from ..registry import backends
 
     ok = True
     infos = backends()
@@ -103,7 +103,7 @@ def _demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     y = linear(x, w)
     t1 = time.perf_counter()
-    from . import explain
+    from .. import explain
 
     chosen = explain(x, w).chosen
     rel = float((y.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())

@@ -1,0 +1,9 @@
+"""The spec: what FP8 W8A8 quantization and the scaled GEMM compute, bit for bit, and how far a
+conforming implementation may stray.
+
+A leaf: it imports nothing else from fp8ref. Its modules follow the dependency order
+``formats`` (the three FP8 formats) -> ``schemes`` (how a tensor is quantized, recipes) ->
+``quant`` (the reference quantizer) -> ``gemm`` (the exact scaled GEMM) -> ``bounds`` (error
+bounds derived from unit roundoffs, precision classes). ``docs/spec.md`` is the same contract in
+prose and equations.
+"""
