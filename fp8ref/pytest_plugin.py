@@ -11,9 +11,13 @@ Options
 
 Fixtures
 --------
-``fp8ref_certify``  a function ``certify(backend, contract=None)`` that runs one contract (or
-                    all) against a backend instance or registered name and fails the test with
-                    the minimal counterexample. A kernel repository certifies its backend with::
+``fp8ref_certify``  a function ``certify(backend, contract=None, ops=None, schemes=None)`` that
+                    runs one contract (or all) against a backend instance or registered name and
+                    fails the test with the counterexample and the call that reproduces it. A
+                    contract of a claimed op on which no example ran ("untested": the backend
+                    declined everything) fails too; one of an op the backend does not declare
+                    (or ``ops`` leaves out) is skipped as "not claimed". A kernel repository
+                    certifies its backend with::
 
                         import pytest
                         from fp8ref.conformance import CONTRACT_NAMES
@@ -133,29 +137,34 @@ def fp8ref_certify(request):
     quantization) never fail; their yes/no goes to the test's ``user_properties`` (JUnit XML).
     An unavailable backend skips the test with its reason.
     """
-    from fp8ref.conformance import CONTRACTS, check_contract, get_contract
+    from fp8ref.conformance import CONTRACTS, check_contract, get_contract, make_scope
     from fp8ref.registry import Backend, get_backend
 
     profile = selected_profile(request.config)
     seed = session_seed(request.config)
 
-    def certify(backend: Backend | str, contract: str | None = None) -> list:
+    def certify(backend: Backend | str, contract: str | None = None, ops=None, schemes=None) -> list:
         b = get_backend(backend) if isinstance(backend, str) else backend
         reason = b.available()
         if reason is not None:
             pytest.skip(f"backend {b.name!r} unavailable: {reason}")
+        scope = make_scope(b, ops, schemes)
         results = []
         for c in CONTRACTS if contract is None else (get_contract(contract),):
-            r = check_contract(b, c, profile, seed)
+            r = check_contract(b, c, profile, seed, scope=scope)
             request.node.user_properties.append((f"{b.name}:{r.contract}", r.status))
             results.append(r)
         failed = [r for r in results if r.failed]
         if failed:
-            msg = "\n".join(f"{r.contract} on {b.name} ({r.status}): {r.message}\n  minimal counterexample: "
+            msg = "\n".join(f"{r.contract} on {b.name} ({r.status}): {r.message}\n  counterexample: "
                             f"{r.counterexample}\n  reproduce: {r.reproduce}" for r in failed)
             pytest.fail(msg, pytrace=False)
-        if all(r.status == "n/a" for r in results):
-            pytest.skip("; ".join(f"{r.contract}: {r.note}" for r in results))
+        untested = [r for r in results if r.status == "untested"]
+        if untested:
+            pytest.fail("\n".join(f"{r.contract} on {b.name} is untested (not certified): {r.note}" for r in untested),
+                        pytrace=False)
+        if all(r.status in ("n/a", "not claimed") for r in results):
+            pytest.skip("; ".join(f"{r.contract}: {r.status}: {r.note}" for r in results))
         return results
 
     return certify

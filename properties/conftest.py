@@ -4,7 +4,8 @@ Backends come from ``--fp8ref-backend`` (default: every registered backend). An 
 backend's tests are skipped with its reason (never silently dropped); a pair listed in
 ``known_failures.py`` (or the file ``$FP8REF_KNOWN_FAILURES`` names; an entry with a ``property``
 field naming a contract) is a strict xfail
-carrying the upstream link, so an upstream fix turns it into a failure that forces removal.
+carrying the upstream link, so an upstream fix turns it into a failure that forces removal. A
+contract of an op the backend does not declare (``Backend.ops``) is skipped as "not claimed".
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _known_failures() -> list[dict]:
 def pytest_generate_tests(metafunc):
     if not {"backend_name", "contract_name"} <= set(metafunc.fixturenames):
         return
-    from fp8ref.conformance import CONTRACT_NAMES
+    from fp8ref.conformance import CONTRACTS
     from fp8ref.registry import backends, get_backend
 
     infos = {b.name: b for b in backends()}
@@ -49,8 +50,12 @@ def pytest_generate_tests(metafunc):
             get_backend(name)  # raises KeyError listing the registered names
         elif not infos[name].available:
             marks.append(pytest.mark.skip(reason=f"backend {name!r} unavailable: {infos[name].reason}"))
-        for contract in CONTRACT_NAMES:
+        declared = tuple(get_backend(name).ops) if name in infos else ()
+        for c in CONTRACTS:
+            contract = c.name
             cmarks = list(marks)
+            if name in infos and c.op not in declared:
+                cmarks.append(pytest.mark.skip(reason=f"not claimed: {name!r} declares ops {declared}, not {c.op}"))
             for e in known:
                 if e["backend"] == name and e["property"] in (contract, "*"):
                     link = e.get("upstream") or e.get("link") or "no upstream link"

@@ -26,7 +26,14 @@ from fp8ref.registry import get_backend
 from fp8ref.spec.bounds import Accumulation
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from mutants.catalogue import Acc14Bits, Bf16Accumulation, Fp32Base, HonestBf16, ScaleTwice  # noqa: E402
+from mutants.catalogue import (  # noqa: E402
+    Acc14Bits,
+    Bf16Accumulation,
+    Fp32Base,
+    HonestBf16,
+    ScaleTwice,
+    StaticNoClamp,
+)
 
 
 def test_contract_table_is_complete():
@@ -49,12 +56,31 @@ def test_probe_contract_compares_with_declaration():
     assert not rep.passed and "declares fp32" in rep.results[0].message
 
 
-def test_failure_has_shrunk_counterexample_and_reproduction():
+def test_failure_has_counterexample_and_reproduction():
     rep = check(ScaleTwice(), "dev", seed=7, contracts=["scaled_mm.bound"])
     r = rep.results[0]
-    assert r.status == "fail" and not rep.passed
+    assert r.status == "fail" and not rep.passed and rep.verdict == "fail"
     assert "M=" in r.counterexample and "ratio" in r.message
-    assert "--seed 7" in r.reproduce and "--only scaled_mm.bound" in r.reproduce
+    # an unregistered backend: the Python call only, naming the instance (no CLI line: it would not resolve)
+    assert r.reproduce.startswith("fp8ref.conformance.check(<backend>, profile='dev', seed=7, "
+                                  "contracts=['scaled_mm.bound'])")
+    assert "ScaleTwice instance 'mutant-scale-twice'" in r.reproduce
+    assert "fp8ref conformance --backend" not in r.reproduce
+    assert r.examples_to_failure >= 1 and rep.examples_to_detection == r.examples_to_failure
+
+
+def test_shrunk_counterexample_when_the_search_finds_it():
+    rep = check(ScaleTwice(), "dev", seed=7, contracts=["scaled_mm.bound"], sweep=False)
+    r = rep.results[0]
+    assert r.status == "fail" and r.sweep == 0 and "@reproduce_failure" in r.reproduce
+
+
+def test_reproduce_line_of_a_registered_backend_has_the_cli_form():
+    from fp8ref.conformance.driver import reproduce_line
+
+    line = reproduce_line(get_backend("torch"), "ci", 3, "quantize.codes")
+    assert "fp8ref.conformance.check('torch', profile='ci', seed=3, contracts=['quantize.codes'])" in line
+    assert "fp8ref conformance --backend torch --profile ci --seed 3 --only quantize.codes" in line
 
 
 def test_report_json_roundtrip_and_merge(tmp_path):
@@ -65,6 +91,7 @@ def test_report_json_roundtrip_and_merge(tmp_path):
     back = load_report(str(path))
     assert [r.backend for r in back] == ["reference", "mutant-scale-twice"]
     assert back[0].passed and not back[1].passed and back[0].batch_invariant == "yes"
+    assert back[1].verdict == "fail" and json.loads(path.read_text())[1]["verdict"] == "fail"
     table = merge_reports(back)
     assert "| reference |" in table and "scaled_mm.bound (fail)" in table
     assert "FAILED" in b.to_markdown() and "scaled_mm.bound" in b.to_text()
@@ -87,8 +114,128 @@ def test_unavailable_backend_is_reported_with_reason():
             return "needs a device this machine lacks"
 
     rep = check(Gone(), "dev", seed=0)
-    assert not rep.available and rep.reason == "needs a device this machine lacks" and rep.passed
+    assert not rep.available and rep.reason == "needs a device this machine lacks"
+    assert not rep.passed and rep.verdict == "unavailable"  # nothing ran: never a certificate
     assert "unavailable: needs a device" in rep.to_markdown()
+
+
+class _DeclinesAll(Fp32Base):
+    name = "test-declines-everything"
+
+    def supports(self, case):
+        return "this kernel takes nothing"
+
+
+class _QuantizerOnly(Fp32Base):
+    name = "test-quantizer-only"
+    ops = ("quantize",)
+
+
+def test_a_backend_that_declines_everything_is_untested_not_certified():
+    rep = check(_DeclinesAll(), "dev", seed=0, contracts=["quantize.codes", "scaled_mm.bound", "linear.bound"])
+    assert rep.verdict == "untested" and not rep.passed
+    assert {r.status for r in rep.results} == {"untested"} and all(r.examples == 0 for r in rep.results)
+    r = rep.result("quantize.codes")
+    assert "this kernel takes nothing" in r.note and r.declined > 0
+    assert "this kernel takes nothing" in str(r.coverage["declined"])
+    assert "UNTESTED (not certified)" in rep.to_text() and "UNTESTED" in merge_reports([rep])
+
+
+def test_no_contract_passes_on_zero_examples():
+    rep = check("reference", "dev", seed=0)
+    assert all(r.examples > 0 for r in rep.results if r.status in ("pass", "yes"))
+
+
+def test_a_quantizer_only_backend_is_certified_for_quantize_only():
+    rep = check(_QuantizerOnly(), "dev", seed=0)
+    assert rep.passed and "ops quantize" in rep.claimed
+    for r in rep.results:
+        assert (r.status == "not claimed") == (r.op != "quantize"), r
+    assert rep.accumulator_bits is None
+    text = rep.to_text()
+    assert "not claimed" in text and "certified for ops quantize" in text
+
+
+def test_gemm_contracts_against_a_quantizer_only_claim_are_not_failures():
+    rep = check(_QuantizerOnly(), "dev", seed=0, contracts=["scaled_mm.bound", "linear.bound"])
+    assert [r.status for r in rep.results] == ["not claimed", "not claimed"]
+    assert rep.verdict == "untested" and not rep.passed  # nothing claimed ran: nothing certified
+
+
+def test_narrow_certificate_ops_and_schemes():
+    scheme = fst.QuantScheme(granularity="row")
+    rep = check(Fp32Base(), "dev", seed=0, ops=("quantize",), schemes=[scheme],
+                contracts=["quantize.codes", "quantize.scale", "scaled_mm.bound"])
+    assert rep.passed and rep.claimed == "ops quantize; schemes e4m3fn-row-dyn"
+    cov = rep.result("quantize.codes").coverage
+    assert cov["formats"] == ["e4m3fn"] and cov["granularity"] == ["row"] and cov["scales"] == ["dynamic"]
+    assert rep.result("scaled_mm.bound").status == "not claimed"
+    with pytest.raises(ValueError, match="cannot be certified"):
+        check(_QuantizerOnly(), "dev", seed=0, ops=("scaled_mm",))
+
+
+def test_coverage_table_in_text_json_and_markdown(tmp_path):
+    rep = check("reference", "dev", seed=0, contracts=["quantize.codes", "scaled_mm.bound"])
+    cov = rep.result("scaled_mm.bound").coverage
+    assert cov["M"][0] == 1 and cov["K"][1] >= 1024  # the long-K single row of the dev profile
+    assert set(cov["formats"]) == {"e4m3fn", "e5m2", "e4m3fnuz"}
+    assert {"bf16", "fp16", "fp32"} <= set(cov["out"]) and {"none", "random", "cancel"} <= set(cov["bias"])
+    assert any(s.startswith("static") for s in rep.result("quantize.codes").coverage["scales"])
+    assert "coverage of the examples that ran" in rep.to_text()
+    assert "Coverage of the examples that ran" in rep.to_markdown()
+    back = load_report_from(rep, tmp_path)
+    assert back.result("scaled_mm.bound").coverage == cov
+
+
+def load_report_from(rep, tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(rep.to_json())
+    return load_report(str(path))[0]
+
+
+def test_sweep_reaches_every_class_by_construction():
+    from fp8ref.conformance import corner_sweep
+    from fp8ref.conformance.profiles import PROFILES, boundary_sizes
+    from fp8ref.conformance.strategies import STATIC_KINDS, SWAMP_BITS
+
+    ci = PROFILES["ci"]
+    q = corner_sweep("quantize", ci)
+    g = corner_sweep("scaled_mm", ci)
+    lin = corner_sweep("linear", ci)
+    for axis, probs, get in (("cols", q, lambda p: p.cols), ("rows", q, lambda p: p.rows), ("cols", g, lambda p: p.K),
+                             ("rows", g, lambda p: p.M), ("rows", g, lambda p: p.N), ("cols", lin, lambda p: p.K),
+                             ("rows", lin, lambda p: p.M), ("rows", lin, lambda p: p.N)):
+        assert set(boundary_sizes(ci, axis)) <= {get(p) for p in probs}, axis
+    assert {1025, 4097} <= {p.rows for p in q} | {p.cols for p in q}
+    # the amax at the tail of every block on every K boundary; static scales of every kind
+    assert all(p.x.family == "spike" and p.x.place == "last" for p in q if p.rows <= 5 and p.cols in
+               boundary_sizes(ci, "cols") and p.cols > 40 and p.x.seed < 100)
+    assert set(STATIC_KINDS) <= {p.static for p in q if not p.scheme.dynamic}
+    assert {"e4m3fn", "e5m2", "e4m3fnuz"} <= {p.scheme.format.name for p in q if p.x.family == "underflow"}
+    assert {p.scheme.granularity.value for p in q} == {"tensor", "row", "group", "block"}
+    grids = [p.scheme.scale_shape(p.rows, p.cols) for p in q]
+    assert any(r > 1 and c > 1 and r != c for r, c in grids)  # a non-square scale grid
+    assert set(SWAMP_BITS) <= {p.a.bits + p.b.bits for p in g if p.a.family == "swamp"}
+    assert any(p.bias_mode == "cancel" and p.out_dtype != torch.float32 for p in g if p.has_bias)
+    assert any(p.a.distinct_scales and p.recipe.weight.granularity.value == "block" for p in g)
+
+
+def test_sweep_follows_the_backend_and_the_seed():
+    from fp8ref.conformance import corner_sweep
+    from fp8ref.conformance.profiles import PROFILES
+
+    be = get_backend("cpu-bf16")
+    probs = corner_sweep("scaled_mm", PROFILES["ci"], be)
+    assert sum(p.out_dtype == torch.bfloat16 for p in probs) >= len(probs) - 8  # takes bf16 outputs only
+    a = corner_sweep("quantize", PROFILES["ci"], seed=0)
+    b = corner_sweep("quantize", PROFILES["ci"], seed=1)
+    assert [(p.rows, p.cols) for p in a] == [(p.rows, p.cols) for p in b] and a != b
+
+
+def test_static_scales_are_exercised_and_checked():
+    rep = check(StaticNoClamp(), "dev", seed=0, contracts=["quantize.codes"])
+    r = rep.results[0]
+    assert r.status == "fail" and "static" in r.counterexample and ("NaN" in r.message or "qmax" in r.message)
 
 
 def test_profiles_and_env(monkeypatch):
@@ -131,10 +278,31 @@ def test_cli_conformance(tmp_path, capsys):
     md = tmp_path / "r.md"
     rc = cli_main(["conformance", "--backend", "reference", "--profile", "dev", "--seed", "0", "--only",
                    "quantize.codes", "--json", str(out), "--markdown", str(md)])
-    assert rc == 0 and "quantize.codes" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert rc == 0 and "quantize.codes" in printed and "coverage of the examples that ran" in printed
     assert load_report(str(out))[0].passed and "| quantize.codes |" in md.read_text()
+    assert load_report(str(out))[0].results[0].coverage["M"]  # --json keeps the coverage
     assert cli_main(["conformance", "--merge", str(out)]) == 0
     assert cli_main(["conformance", "--list"]) == 0
+
+
+def test_cli_prints_coverage_and_narrows_ops(capsys):
+    rc = cli_main(["conformance", "--backend", "reference", "--profile", "dev", "--seed", "0", "--ops", "quantize",
+                   "--only", "quantize.codes", "--only", "scaled_mm.bound"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "coverage of the examples that ran" in out and "not claimed" in out
+
+
+def test_cli_exit_status_untested_and_unavailable(tmp_path, capsys):
+    from fp8ref.registry import register_backend, unregister_backend
+
+    register_backend(_DeclinesAll(), replace=True)
+    try:
+        rc = cli_main(["conformance", "--backend", _DeclinesAll.name, "--profile", "dev", "--seed", "0",
+                       "--only", "quantize.codes", "--known-failures", str(_empty_ledger(tmp_path))])
+    finally:
+        unregister_backend(_DeclinesAll.name)
+    assert rc == 1 and "not certified" in capsys.readouterr().err
 
 
 def test_cli_fails_on_a_failing_backend(tmp_path):
@@ -160,7 +328,9 @@ def test_declared_accumulation_respected():
 
 
 @pytest.mark.parametrize("name", ["fp8ref.conformance.driver", "fp8ref.conformance.probe",
-                                  "fp8ref.conformance.strategies", "fp8ref.conformance.peers"])
+                                  "fp8ref.conformance.problems", "fp8ref.conformance.sweep",
+                                  "fp8ref.conformance.scope", "fp8ref.conformance.profiles",
+                                  "fp8ref.conformance.peers"])
 def test_docstring_examples_run(name):
     import doctest
     import importlib
@@ -173,7 +343,7 @@ def test_certify_fixture_for_a_kernel_repo(fp8ref_certify):  # noqa: F811
     # What a third-party kernel repository writes: an unregistered instance, one contract per test.
     results = fp8ref_certify(Fp32Base(), "quantize.codes")
     assert [r.status for r in results] == ["pass"]
-    with pytest.raises(pytest.fail.Exception, match="minimal counterexample"):
+    with pytest.raises(pytest.fail.Exception, match="counterexample: scaled_mm M="):
         fp8ref_certify(ScaleTwice(), "scaled_mm.bound")
 
 

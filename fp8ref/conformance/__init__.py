@@ -1,8 +1,10 @@
 """The conformance suite: certify any FP8 backend against the spec, property by property.
 
 ``check(backend)`` runs every contract of ``CONTRACTS`` (quantize, scaled_mm and linear, each
-against the reference and the derived bounds of ``fp8ref.spec.bounds``) as a Hypothesis search and
-returns a ``Report`` with the shrunk minimal counterexample of each failure. The same machinery
+against the reference and the derived bounds of ``fp8ref.spec.bounds``) for the ops the backend
+claims -- a deterministic corner sweep, then a Hypothesis search -- and returns a ``Report`` with
+the counterexample of each failure, a coverage table and a verdict that is "pass" only when every
+claimed contract ran examples. The same machinery
 backs ``fp8ref conformance`` (CLI), ``pytest properties`` and the ``fp8ref_certify`` pytest
 fixture. See docs/conformance.md.
 """
@@ -12,6 +14,8 @@ from .contracts import CONTRACT_NAMES, CONTRACTS, Contract, ContractViolation, D
 from .driver import ContractResult, Report, apply_known_failures, check, check_contract, load_report, merge_reports
 from .probe import PROBE_MAX_BITS, accumulator_bits
 from .profiles import ENV_VAR, PROFILES, Profile, get_profile
+from .scope import Scope, make_scope
+from .sweep import corner_sweep
 
 __all__ = [
     "CONTRACTS",
@@ -25,13 +29,16 @@ __all__ = [
     "PROFILES",
     "Profile",
     "Report",
+    "Scope",
     "accumulator_bits",
     "apply_known_failures",
     "check",
     "check_contract",
+    "corner_sweep",
     "get_contract",
     "get_profile",
     "load_report",
+    "make_scope",
     "merge_reports",
     "strategies",
 ]

@@ -13,23 +13,32 @@ A check function takes ``(backend, problem)`` and returns the worst error/bound 
 None), raises ``ContractViolation`` with the worst element located, or raises ``Declined`` when
 the backend declines the case (or the case lies outside the contract's premise); the driver
 then draws another example.
+
+Every contract of an op first runs that op's corner sweep (``sweep.py``), through the contract's
+``sweep`` adapter where it needs one (a power of two for the equivariance contracts, grid values
+for the lossless one), then the Hypothesis search of its ``strategy``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
-from ..registry import Backend, Case, decline_reason
+from ..registry import Backend, Case, backend_quantize, decline_reason
 from ..spec import gemm, quant
 from ..spec.bounds import gemm_error_bound, linear_error_bound, quantization_error_bound
 from ..spec.quant import Quantized
 from . import strategies as fst
 from .profiles import Profile
+from .scope import Scope
+from .sweep import with_k
 
 __all__ = ["Contract", "ContractViolation", "Declined", "CONTRACTS", "CONTRACT_NAMES", "get_contract",
            "declared_bits", "poison_allocator"]
@@ -60,12 +69,17 @@ class Contract:
     bound : str
         What the error is compared with (a function of ``fp8ref.spec.bounds``, or "bit-exact").
     strategy : callable
-        ``strategy(profile) -> SearchStrategy`` of problems (None for probes).
+        ``strategy(profile, scope) -> SearchStrategy`` of problems (None for probes).
     check : callable
         ``check(backend, problem) -> ratio | None`` (probes: ``check(backend) -> ratio``).
     examples : tuple
-        Problems pinned with ``hypothesis.example``: run first on every backend, one for each
-        class of real bug the mutant catalogue models (docs/mutants.md), as STYLE.md asks.
+        Problems pinned as regression examples: run first on every backend, before the sweep.
+    sweep : callable or None
+        ``sweep(problems) -> problems``: adapts the op's corner sweep to the contract's premise
+        (None: the sweep as generated).
+    secondary : bool
+        An identity or info contract (determinism, symmetry, equivariance, bit exactness, batch
+        invariance): thinned out of the sweep for backends that pay per element.
     """
 
     name: str
@@ -73,9 +87,11 @@ class Contract:
     kind: str
     statement: str
     bound: str
-    strategy: Callable[[Profile], st.SearchStrategy] | None
+    strategy: Callable[[Profile, Scope | None], st.SearchStrategy] | None
     check: Callable
-    examples: tuple = ()  #: pinned problems, run before the search (one per bug class in the catalogue)
+    examples: tuple = ()  #: pinned problems, run before the sweep
+    sweep: Callable[[list], list] | None = None
+    secondary: bool = False
 
     @property
     def fails_report(self) -> bool:
@@ -105,8 +121,45 @@ def poison_allocator(shape: tuple[int, ...], device: str | torch.device = "cpu",
         del t
 
 
-def _quantize(backend: Backend, x: torch.Tensor, scheme) -> Quantized:
-    q = backend.quantize(x, scheme)
+#: Threads the backend runs with while the reference and the bounds run single-threaded (see
+#: ``reference_threads``); None outside a check.
+_BACKEND_THREADS: list[int | None] = [None]
+
+
+@contextmanager
+def reference_threads():
+    """Run the reference and the bounds on one thread; the backend's calls (``backend_threads``)
+    get the process's thread count back. The reference's many small float64 GEMMs gain nothing
+    from threads and lose much to waking them (on a loaded 2-core machine a ci run took 8x the
+    CPU time with OMP_NUM_THREADS=2); the backend is certified as users run it."""
+    outer = _BACKEND_THREADS[0]
+    n = torch.get_num_threads() if outer is None else outer
+    _BACKEND_THREADS[0] = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _BACKEND_THREADS[0] = outer
+        torch.set_num_threads(n)
+
+
+@contextmanager
+def backend_threads():
+    """The process's thread count for the backend's own calls (inside ``reference_threads``)."""
+    n = _BACKEND_THREADS[0]
+    if n is None or n == 1:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
+def _quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
+    with backend_threads():
+        q = backend_quantize(backend, x, scheme, scale)
     if not isinstance(q, Quantized):
         raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
     if q.scheme != scheme:
@@ -116,9 +169,9 @@ def _quantize(backend: Backend, x: torch.Tensor, scheme) -> Quantized:
     return q
 
 
-def _ref_quantize(x: torch.Tensor, scheme) -> Quantized:
+def _ref_quantize(x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
     try:
-        return quant.quantize(x, scheme)
+        return quant.quantize(x, scheme, scale)
     except ValueError as exc:  # e.g. a scale overflowing an fp16 scale_dtype: outside the spec's domain
         raise Declined(f"reference refuses the input: {exc}") from None
 
@@ -126,7 +179,8 @@ def _ref_quantize(x: torch.Tensor, scheme) -> Quantized:
 def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan")) -> torch.Tensor:
     M, N = a.data.shape[0], b.data.shape[0]
     poison_allocator((M, N), a.data.device, poison)
-    y = backend.scaled_mm(a, backend.prepare_weight(b), bias, out_dtype)
+    with backend_threads():
+        y = backend.scaled_mm(a, backend.prepare_weight(b), bias, out_dtype)
     if not isinstance(y, torch.Tensor):
         raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
     if tuple(y.shape) != (M, N):
@@ -187,12 +241,60 @@ def _ulp(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(e.to(torch.float64) - p)
 
 
-def check_quantize_scale(backend: Backend, p: fst.QuantizeProblem) -> float:
+# --------------------------------------------------------------------------------------------
+# reference results, cached across checks
+
+#: The reference's results for a problem are a pure function of the (frozen) problem, so they are
+#: computed once per process and shared by every contract and every backend checked against the
+#: same problem (the sweep gives most backends the same problems). Backends get copies.
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_MAX = 4096
+
+
+def _cached(key, compute):
+    hit = _CACHE.get(key)
+    if hit is None:
+        try:
+            hit = ("ok", compute())
+        except Declined as exc:
+            hit = ("declined", exc)
+        _CACHE[key] = hit
+        if len(_CACHE) > _CACHE_MAX:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    if hit[0] == "declined":
+        raise Declined(str(hit[1]))
+    return hit[1]
+
+
+def _copy(q: Quantized) -> Quantized:
+    return Quantized(q.data.clone(), q.scale.clone(), q.scheme)
+
+
+def _q_inputs(backend: Backend, p: fst.QuantizeProblem) -> tuple[torch.Tensor, torch.Tensor | None, Quantized]:
+    """``(x, the caller's scale or None, the reference quantization)`` after the backend's decline
+    (x and the scale are fresh copies: the backend may not touch the cached ones)."""
     _require(backend, p.case())
-    x = p.build()
-    ref = _ref_quantize(x, p.scheme)
-    q = _quantize(backend, x, p.scheme)
+
+    def compute():
+        x = p.build()
+        scale = p.scale(x)
+        return x, scale, _ref_quantize(x, p.scheme, scale)
+
+    x, scale, ref = _cached(("quantize", p), compute)
+    return x.clone(), None if scale is None else scale.clone(), ref
+
+
+def check_quantize_scale(backend: Backend, p: fst.QuantizeProblem) -> float:
+    x, scale, ref = _q_inputs(backend, p)
+    q = _quantize(backend, x, p.scheme, scale)
     s, r = q.scale.to(torch.float64), ref.scale.to(torch.float64)
+    if scale is not None:
+        if not _same_bits(q.scale, ref.scale):
+            raise ContractViolation(f"static scheme: the returned scale is not the caller's: "
+                                    f"{_first_diff(q.scale, ref.scale)}")
+        return 0.0
     if p.scheme.pow2_scale:
         if not torch.equal(s, r):
             raise ContractViolation(f"pow2 scale differs from the reference: {_first_diff(q.scale, ref.scale)}")
@@ -203,14 +305,13 @@ def check_quantize_scale(backend: Backend, p: fst.QuantizeProblem) -> float:
 
 
 def check_quantize_codes(backend: Backend, p: fst.QuantizeProblem) -> float:
-    _require(backend, p.case())
-    x = p.build()
-    _ref_quantize(x, p.scheme)
-    q = _quantize(backend, x, p.scheme)
+    x, scale, _ = _q_inputs(backend, p)
+    q = _quantize(backend, x, p.scheme, scale)
     vals = q.data.to(torch.float32)
     if bool(torch.isnan(vals).any()):
         idx = tuple(int(i) for i in torch.isnan(vals).nonzero()[0])
-        raise ContractViolation(f"NaN code at {idx} from finite input {x[idx].item()!r}")
+        raise ContractViolation(f"NaN code (byte {int(q.data.view(torch.uint8)[idx]):#04x}) at {idx} from finite "
+                                f"input {x[idx].item()!r}")
     if bool((vals.abs() > p.scheme.qmax).any()):
         idx = tuple(int(i) for i in (vals.abs() > p.scheme.qmax).nonzero()[0])
         raise ContractViolation(f"code {vals[idx].item()} at {idx} exceeds qmax {p.scheme.qmax}")
@@ -220,13 +321,44 @@ def check_quantize_codes(backend: Backend, p: fst.QuantizeProblem) -> float:
                          x.to(torch.float64), quantization_error_bound(x, q))
 
 
+def _is_pow2(t: torch.Tensor) -> bool:
+    m, _ = torch.frexp(t.to(torch.float64))
+    return bool((m == 0.5).all())
+
+
+def check_quantize_exact_on_pow2_scale(backend: Backend, p: fst.QuantizeProblem) -> float:
+    """Where the stored scale is a power of two, x / s is exact in fp32 (and x * (1/s) equals it),
+    so RNE(clamp(x / s)) is determined: every conforming quantizer returns the reference's codes
+    (as values: +0 and -0 alike). Ties, subnormals, saturation and zero all sit on this path."""
+    x, scale, ref = _q_inputs(backend, p)
+    if not _is_pow2(ref.scale):
+        raise Declined("premise: a scale is not a power of two")
+    q = _quantize(backend, x, p.scheme, scale)
+    if not torch.equal(q.scale.to(torch.float64), ref.scale.to(torch.float64)):
+        raise Declined("premise: the backend's scale differs from the reference's (quantize.scale judges that)")
+    got, want = q.data.to(torch.float32), ref.data.to(torch.float32)
+    bad = ~((got == want) | (torch.isnan(got) & torch.isnan(want)))
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        v = x[idx].item() / float(expand_one(q, idx))
+        raise ContractViolation(f"{int(bad.sum())} codes differ from RNE(clamp(x / s)) with a power-of-two scale "
+                                f"(x / s exact); first at {idx}: x / s = {v!r}, got code {got[idx].item()!r} (byte "
+                                f"{int(q.data.view(torch.uint8)[idx]):#04x}), round-to-nearest-even gives "
+                                f"{want[idx].item()!r}")
+    return 0.0
+
+
+def expand_one(q: Quantized, idx: tuple[int, int]) -> float:
+    """The scale that applies to element ``idx`` of ``q``."""
+    r, c = q.scheme.block_shape(*q.data.shape)
+    return float(q.scale[idx[0] // r, idx[1] // c])
+
+
 def check_quantize_lossless(backend: Backend, p: fst.QuantizeProblem) -> float:
-    _require(backend, p.case())
-    x = p.build()
-    ref = _ref_quantize(x, p.scheme)
+    x, scale, ref = _q_inputs(backend, p)
     if not torch.equal(ref.dequantize(torch.float64), x.to(torch.float64)):
         raise Declined("premise: the reference quantization of this input is not lossless")
-    q = _quantize(backend, x, p.scheme)
+    q = _quantize(backend, x, p.scheme, scale)
     if not torch.equal(q.scale.to(torch.float64), ref.scale.to(torch.float64)):
         raise ContractViolation(f"scale differs from the reference on grid input: {_first_diff(q.scale, ref.scale)}")
     got = q.dequantize(torch.float64)
@@ -236,10 +368,8 @@ def check_quantize_lossless(backend: Backend, p: fst.QuantizeProblem) -> float:
 
 
 def check_quantize_bit_exact(backend: Backend, p: fst.QuantizeProblem) -> float:
-    _require(backend, p.case())
-    x = p.build()
-    ref = _ref_quantize(x, p.scheme)
-    q = _quantize(backend, x, p.scheme)
+    x, scale, ref = _q_inputs(backend, p)
+    q = _quantize(backend, x, p.scheme, scale)
     if not _same_bits(q.scale, ref.scale):
         raise ContractViolation(f"scale bits differ from the reference: {_first_diff(q.scale, ref.scale)}")
     if not _same_bits(q.data, ref.data):
@@ -248,10 +378,9 @@ def check_quantize_bit_exact(backend: Backend, p: fst.QuantizeProblem) -> float:
 
 
 def check_quantize_deterministic(backend: Backend, p: fst.QuantizeProblem) -> float:
-    _require(backend, p.case())
-    x = p.build()
-    _ref_quantize(x, p.scheme)
-    q1, q2 = _quantize(backend, x, p.scheme), _quantize(backend, x.clone(), p.scheme)
+    x, scale, _ = _q_inputs(backend, p)
+    q1 = _quantize(backend, x, p.scheme, scale)
+    q2 = _quantize(backend, x.clone(), p.scheme, None if scale is None else scale.clone())
     for what, u, v in (("codes", q1.data, q2.data), ("scales", q1.scale, q2.scale)):
         if not _same_bits(u, v):
             raise ContractViolation(f"two identical calls gave different {what}: {_first_diff(u, v)}")
@@ -259,17 +388,23 @@ def check_quantize_deterministic(backend: Backend, p: fst.QuantizeProblem) -> fl
 
 
 def check_quantize_scale_equivariance(backend: Backend, p: fst.QuantizeProblem) -> float:
-    _require(backend, p.case())
-    x = p.build()
+    x, scale, r1 = _q_inputs(backend, p)
     f = 2.0**p.k
     x2 = x * f
     if not torch.equal(x2 / f, x) or not bool(torch.isfinite(x2).all()):
         raise Declined("premise: x * 2**k is not exact in the input dtype")
-    r1, r2 = _ref_quantize(x, p.scheme), _ref_quantize(x2, p.scheme)
+    scale2 = None
+    if scale is not None:
+        scale2 = scale * f
+        info = torch.finfo(scale.dtype)
+        if not torch.equal(scale2 / f, scale) or bool((scale2 < info.tiny).any()) or not bool(
+                torch.isfinite(scale2).all()):
+            raise Declined("premise: scale * 2**k leaves the normal range of the scale dtype")
+    r2 = _ref_quantize(x2, p.scheme, scale2)
     # The premise is the spec's own equivariance on this input: no amax floor, no scale clamp.
     if not (torch.equal(r2.scale.double(), r1.scale.double() * f) and _same_bits(r1.data, r2.data)):
         raise Declined("premise: the amax floor or a scale limit applies, so the spec itself is not equivariant")
-    q1, q2 = _quantize(backend, x, p.scheme), _quantize(backend, x2, p.scheme)
+    q1, q2 = _quantize(backend, x, p.scheme, scale), _quantize(backend, x2, p.scheme, scale2)
     if not torch.equal(q2.scale.double(), q1.scale.double() * f):
         raise ContractViolation(f"scale of x*2**{p.k} is not scale(x)*2**{p.k}: "
                                 f"{q2.scale.flatten()[:4].tolist()} vs {q1.scale.flatten()[:4].tolist()}")
@@ -279,10 +414,8 @@ def check_quantize_scale_equivariance(backend: Backend, p: fst.QuantizeProblem) 
 
 
 def check_quantize_sign_symmetry(backend: Backend, p: fst.QuantizeProblem) -> float:
-    _require(backend, p.case())
-    x = p.build()
-    _ref_quantize(x, p.scheme)
-    q1, q2 = _quantize(backend, x, p.scheme), _quantize(backend, -x, p.scheme)
+    x, scale, _ = _q_inputs(backend, p)
+    q1, q2 = _quantize(backend, x, p.scheme, scale), _quantize(backend, -x, p.scheme, scale)
     if not _same_bits(q1.scale, q2.scale):
         raise ContractViolation(f"scale of -x differs from scale of x: {_first_diff(q2.scale, q1.scale)}")
     v1, v2 = q1.data.to(torch.float32), q2.data.to(torch.float32)
@@ -296,20 +429,26 @@ def check_quantize_sign_symmetry(backend: Backend, p: fst.QuantizeProblem) -> fl
 
 
 def _gemm_ref(p: fst.GemmProblem):
-    a, b, bias = p.build()
-    y64 = gemm.scaled_mm(a, b, bias, out_dtype=torch.float64)
-    limit = torch.finfo(p.out_dtype).max / 2
-    if not bool(torch.isfinite(y64).all()) or bool((y64.abs() > limit).any()):
-        raise Declined(f"premise: the exact result overflows {p.out_dtype}")
-    return a, b, bias, y64
+    """``(a, b, bias, y64)``: copies of the operands and the reference's float64 result."""
+    def compute():
+        a, b, bias = p.build()
+        y64 = gemm.scaled_mm(a, b, bias, out_dtype=torch.float64)
+        limit = torch.finfo(p.out_dtype).max / 2
+        if not bool(torch.isfinite(y64).all()) or bool((y64.abs() > limit).any()):
+            raise Declined(f"premise: the exact result overflows {p.out_dtype}")
+        return a, b, bias, y64
+
+    a, b, bias, y64 = _cached(("gemm", p), compute)
+    return _copy(a), _copy(b), None if bias is None else bias.clone(), y64
 
 
 def check_scaled_mm_bound(backend: Backend, p: fst.GemmProblem) -> float:
     _require(backend, p.case())
     a, b, bias, y64 = _gemm_ref(p)
     y = _mm(backend, a, b, bias, p.out_dtype)
-    bound = gemm_error_bound(a, b, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
-                             output_roundings=backend.output_roundings)
+    bound = _cached(("gemm_bound", p, backend.accumulation, backend.output_roundings), lambda: gemm_error_bound(
+        a, b, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
+        output_roundings=backend.output_roundings, y_ref=y64))
     return _check_within(f"scaled_mm vs reference (gemm_error_bound, {backend.accumulation.name} accumulation, "
                          f"{backend.output_roundings} output rounding(s))", y, y64, bound)
 
@@ -375,12 +514,17 @@ def check_scaled_mm_scale_equivariance(backend: Backend, p: fst.GemmProblem) -> 
     y2 = _mm(backend, Quantized(a.data, s2, a.scheme), b, bias2, p.out_dtype)
     oi = torch.finfo(p.out_dtype)
     y1d, y2d = y1.to(torch.float64), y2.to(torch.float64)
-    # Only where neither result is near the subnormal range or overflow of the output dtype.
+    # Only where neither result -- nor the product before the bias, which a backend declaring two
+    # output roundings may round on its own -- is near the subnormal range or overflow.
     lo, hi = oi.smallest_normal * 2.0 ** (abs(p.k) + 1), oi.max / 2.0 ** (abs(p.k) + 1)
+
     def in_range(t):
         return ((t.abs() >= lo) & (t.abs() <= hi)) | (t == 0)
 
     mask = in_range(y1d) & in_range(y2d)
+    if bias is not None:
+        prod = _cached(("gemm_product", p), lambda: gemm.scaled_mm(a, b, None, out_dtype=torch.float64))
+        mask &= in_range(prod) & in_range(prod * f)
     if not bool(mask.any()):
         raise Declined("premise: every output is near the subnormal or overflow range")
     if not torch.equal(y2d[mask], y1d[mask] * f):
@@ -421,7 +565,8 @@ def declared_bits(backend: Backend) -> float:
 def check_accumulator_bits(backend: Backend) -> float:
     from .probe import PROBE_MAX_BITS, accumulator_bits
 
-    bits = accumulator_bits(backend)
+    with backend_threads():
+        bits = accumulator_bits(backend)
     if bits is None:
         raise Declined("the backend declines every probe case")
     want = min(declared_bits(backend), PROBE_MAX_BITS)
@@ -446,17 +591,43 @@ def _registered(backend: Backend) -> bool:
         return False
 
 
-def _linear(backend: Backend, x, w, bias, recipe, out_dtype):
+def _linear_takes_scale(backend: Backend) -> bool:
+    try:
+        params = inspect.signature(backend.linear).parameters
+    except (TypeError, ValueError):
+        return True
+    return "scale" in params or any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
+
+
+def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scale):
+    if scale is not None and not _linear_takes_scale(backend):
+        raise Declined(f"premise: backend {backend.name!r}: linear() takes no scale=, so no static activation "
+                       f"scheme ({scheme.short_str()})")
+    with backend_threads():
+        if scale is None:
+            return backend.linear(x, prepared, bias, out_dtype, scheme)
+        return backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale)
+
+
+def _linear(backend: Backend, x, w, bias, recipe, out_dtype, scale=None):
     """The backend's linear as ``fp8ref.linear`` computes it: the weight quantized once by the
     reference (load time), the activations by the backend, the backend's scaled_mm. A
-    registered backend goes through ``fp8ref.linear(..., backend=name)`` itself."""
+    registered backend goes through ``fp8ref.linear(..., backend=name)`` itself (static activation
+    schemes, which ``fp8ref.linear`` does not take, through its ``Backend.linear`` hook)."""
     qw = quant.quantize(w, recipe.weight)
-    qx = _quantize(backend, x, recipe.activation)
+    qx = _quantize(backend, x, recipe.activation, scale)
     if _registered(backend):
         import fp8ref
 
         poison_allocator((x.shape[0], w.shape[0]), x.device)
-        y = fp8ref.linear(x, w, bias, recipe=recipe, backend=backend.name, precision="fast", out_dtype=out_dtype)
+        if scale is None:
+            with backend_threads():
+                y = fp8ref.linear(x, w, bias, recipe=recipe, backend=backend.name, precision="fast",
+                                  out_dtype=out_dtype)
+        else:
+            with backend_threads():
+                prepared = backend.prepare_weight(qw)
+            y = _backend_linear(backend, x, prepared, bias, out_dtype, recipe.activation, scale)
         if tuple(y.shape) != (x.shape[0], w.shape[0]) or y.dtype != out_dtype:
             raise ContractViolation(f"fp8ref.linear returned {tuple(y.shape)} {y.dtype}")
     else:
@@ -467,7 +638,8 @@ def _linear(backend: Backend, x, w, bias, recipe, out_dtype):
 def check_linear_bound(backend: Backend, p: fst.LinearProblem) -> float:
     _require(backend, p.case())
     x, w, bias = p.build()
-    _ref_quantize(x, p.recipe.activation)
+    scale = p.act_scale(x)
+    _ref_quantize(x, p.recipe.activation, scale)
     _ref_quantize(w, p.recipe.weight)
     from ..kernels import reference  # noqa: F401 -- fp8ref.linear needs the registry loaded
     y_true = x.to(torch.float64) @ w.to(torch.float64).T
@@ -475,7 +647,7 @@ def check_linear_bound(backend: Backend, p: fst.LinearProblem) -> float:
         y_true = y_true + bias.to(torch.float64)
     if bool((y_true.abs() > torch.finfo(p.out_dtype).max / 4).any()):
         raise Declined(f"premise: the exact result overflows {p.out_dtype}")
-    y, qx, qw = _linear(backend, x, w, bias, p.recipe, p.out_dtype)
+    y, qx, qw = _linear(backend, x, w, bias, p.recipe, p.out_dtype, scale)
     bound = linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
                                output_roundings=backend.output_roundings)
     return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound)", y, y_true, bound)
@@ -486,11 +658,15 @@ def check_linear_matches_two_calls(backend: Backend, p: fst.LinearProblem) -> fl
     returns, bit for bit, on the weight prepared by ``prepare_weight``."""
     _require(backend, p.case())
     x, w, bias = p.build()
-    _ref_quantize(x, p.recipe.activation)
+    scale = p.act_scale(x)
+    _ref_quantize(x, p.recipe.activation, scale)
     qw = _ref_quantize(w, p.recipe.weight)
-    prepared = backend.prepare_weight(_to_device(qw, x.device))
-    y2 = backend.scaled_mm(_quantize(backend, x, p.recipe.activation), prepared, bias, p.out_dtype)
-    y1 = backend.linear(x, prepared, bias, p.out_dtype, p.recipe.activation)
+    with backend_threads():
+        prepared = backend.prepare_weight(_to_device(qw, x.device))
+    y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
+    qx = _quantize(backend, x, p.recipe.activation, scale)
+    with backend_threads():
+        y2 = backend.scaled_mm(qx, prepared, bias, p.out_dtype)
     if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
         raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
                                 f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
@@ -554,14 +730,51 @@ _G = "scaled_mm"
 
 
 def _qp(**kw):
-    return lambda prof: fst.quantize_problems(prof, **kw)
+    return lambda prof, scope=None: fst.quantize_problems(prof, scope=scope, **kw)
 
 
 def _gp(**kw):
-    return lambda prof: fst.gemm_problems(prof, **kw)
+    return lambda prof, scope=None: fst.gemm_problems(prof, scope=scope, **kw)
+
+
+def _lp(prof, scope=None):
+    return fst.linear_problems(prof, scope=scope)
+
+
+def _on_grid(problems: list) -> list:
+    """The sweep's quantize problems with their values moved onto the grid (the lossless premise);
+    a static scale then a power of two (2**exp: the grid's own scale)."""
+    from dataclasses import replace
+
+    return [replace(p, x=fst.TensorSpec("on_grid", p.x.exp, p.x.seed), static="pow2") for p in problems]
+
+
+def _pow2_premise(problems: list) -> list:
+    """The sweep's quantize problems moved onto the premise of a power-of-two scale: static schemes
+    take power-of-two scales (rounded up, or down: up to 2x saturation), dynamic ones keep
+    pow2_scale and grid families (scale 2**exp) and otherwise move to a grid family on the same
+    shape and scheme (ties, subnormals and values rounding to zero, +-qmax, grid values)."""
+    from dataclasses import replace
+
+    out = []
+    for i, p in enumerate(problems):
+        if not p.scheme.dynamic:
+            out.append(replace(p, static=("pow2", "pow2_low")[i % 2]))
+        elif p.scheme.pow2_scale or p.x.family in fst.GRID_FAMILIES:
+            out.append(p)
+        else:
+            fam = ("ties", "underflow", "qmax", "on_grid")[i % 4]
+            out.append(replace(p, x=fst.TensorSpec(fam, p.x.exp, p.x.seed)))
+    return out
+
+
+def _few_rows(problems: list) -> list:
+    """Problems with at most 129 rows (batch invariance recomputes rows one by one)."""
+    return [p for p in problems if p.M <= 129]
 
 
 CONTRACTS: tuple[Contract, ...] = (
+    # Bounded and exact-value contracts first: with fail_fast, a broken backend is rejected early.
     Contract("scaled_mm.accumulator_bits", _G, "probe",
              "the accumulator keeps at least the bits the declared accumulation promises (-log2 u)",
              "accumulator_bits probe", None, check_accumulator_bits),
@@ -569,45 +782,51 @@ CONTRACTS: tuple[Contract, ...] = (
              "|codes * scale - x| within the quantization bound, no NaN code, |codes| <= qmax",
              "quantization_error_bound", _qp(), check_quantize_codes, _Q_EX),
     Contract("quantize.scale", _Q, "bounded",
-             "dynamic scale = max(amax, floor)/qmax within 1 ulp of scale_dtype (pow2 scales: exact)",
-             "1 ulp of scale_dtype", _qp(), check_quantize_scale, _Q_EX),
-    Contract("quantize.lossless_on_grid", _Q, "exact",
-             "inputs already on the FP8 grid (scale 2**e) quantize losslessly, scale equal to the reference",
-             "bit-exact", _qp(families=("on_grid", "qmax", "ties")), check_quantize_lossless, _Q_GRID_EX),
-    Contract("quantize.deterministic", _Q, "exact", "the same call twice gives the same bits",
-             "bit-exact", _qp(), check_quantize_deterministic, _Q_EX),
-    Contract("quantize.scale_equivariance", _Q, "exact",
-             "x*2**k gives the same codes and scale*2**k (where the spec itself is equivariant)",
-             "bit-exact", _qp(with_k=True), check_quantize_scale_equivariance, _with_k(_Q_EX, 3)),
-    Contract("quantize.sign_symmetry", _Q, "exact", "-x gives -codes and the same scale",
-             "bit-exact", _qp(), check_quantize_sign_symmetry, _Q_EX),
+             "dynamic scale = max(amax, floor)/qmax within 1 ulp of scale_dtype (pow2 scales: exact); a static "
+             "scheme returns the caller's scale", "1 ulp of scale_dtype", _qp(), check_quantize_scale, _Q_EX),
     Contract("scaled_mm.bound", _G, "bounded",
              "|y - y_ref| within the bound of the declared accumulation and output roundings",
              "gemm_error_bound", _gp(), check_scaled_mm_bound, _G_EX),
+    Contract("linear.bound", "linear", "bounded",
+             "quantize x and w, scaled_mm: within the end-to-end bound of the unquantized float64 linear",
+             "linear_error_bound", _lp, check_linear_bound, _L_EX),
+    Contract("quantize.exact_on_pow2_scale", _Q, "exact",
+             "where the scale is a power of two (x/s exact), the codes are RNE(clamp(x/s)): ties to even, "
+             "subnormals kept, saturation at qmax, never -0 in a format without it", "bit-exact values",
+             _qp(), check_quantize_exact_on_pow2_scale, _Q_GRID_EX, _pow2_premise),
     Contract("scaled_mm.all_written", _G, "exact",
              "every output element is written (output memory poisoned with NaN, then with a finite value)",
              "bit-exact", _gp(), check_scaled_mm_all_written, _G_EX),
     Contract("scaled_mm.finite", _G, "exact", "no NaN/Inf from finite operands whose exact result fits out_dtype",
              "finite", _gp(), check_scaled_mm_finite, _G_EX),
-    Contract("scaled_mm.deterministic", _G, "exact", "the same call twice gives the same bits",
-             "bit-exact", _gp(), check_scaled_mm_deterministic, _G_EX),
-    Contract("scaled_mm.sign_symmetry", _G, "exact", "scaled_mm(-a, b, -bias) = -scaled_mm(a, b, bias)",
-             "bit-exact", _gp(), check_scaled_mm_sign_symmetry, _G_EX),
-    Contract("scaled_mm.scale_equivariance", _G, "exact",
-             "a.scale*2**k and bias*2**k give y*2**k (away from subnormals and overflow)",
-             "bit-exact", _gp(with_k=True), check_scaled_mm_scale_equivariance, _with_k(_G_EX, 2)),
-    Contract("linear.bound", "linear", "bounded",
-             "quantize x and w, scaled_mm: within the end-to-end bound of the unquantized float64 linear",
-             "linear_error_bound", lambda prof: fst.linear_problems(prof), check_linear_bound, _L_EX),
     Contract("linear.matches_two_calls", "linear", "exact",
              "the fused Backend.linear hook returns scaled_mm(quantize(x)) bit for bit",
-             "bit-exact", lambda prof: fst.linear_problems(prof), check_linear_matches_two_calls, _L_EX),
+             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX),
+    Contract("quantize.lossless_on_grid", _Q, "exact",
+             "inputs already on the FP8 grid (scale 2**e) quantize losslessly, scale equal to the reference",
+             "bit-exact", _qp(families=("on_grid", "qmax", "ties")), check_quantize_lossless, _Q_GRID_EX, _on_grid),
+    Contract("quantize.deterministic", _Q, "exact", "the same call twice gives the same bits",
+             "bit-exact", _qp(), check_quantize_deterministic, _Q_EX, secondary=True),
+    Contract("quantize.scale_equivariance", _Q, "exact",
+             "x*2**k gives the same codes and scale*2**k (where the spec itself is equivariant)",
+             "bit-exact", _qp(with_k=True), check_quantize_scale_equivariance, _with_k(_Q_EX, 3), with_k,
+             secondary=True),
+    Contract("quantize.sign_symmetry", _Q, "exact", "-x gives -codes and the same scale",
+             "bit-exact", _qp(), check_quantize_sign_symmetry, _Q_EX, secondary=True),
+    Contract("scaled_mm.deterministic", _G, "exact", "the same call twice gives the same bits",
+             "bit-exact", _gp(), check_scaled_mm_deterministic, _G_EX, secondary=True),
+    Contract("scaled_mm.sign_symmetry", _G, "exact", "scaled_mm(-a, b, -bias) = -scaled_mm(a, b, bias)",
+             "bit-exact", _gp(), check_scaled_mm_sign_symmetry, _G_EX, secondary=True),
+    Contract("scaled_mm.scale_equivariance", _G, "exact",
+             "a.scale*2**k and bias*2**k give y*2**k (away from subnormals and overflow)",
+             "bit-exact", _gp(with_k=True), check_scaled_mm_scale_equivariance, _with_k(_G_EX, 2), with_k,
+             secondary=True),
     Contract("scaled_mm.batch_invariant", _G, "info",
              "row i computed alone equals row i of the batch (reported yes/no, never a failure)",
-             "bit-exact", _gp(), check_scaled_mm_batch_invariant, _G_EX),
+             "bit-exact", _gp(), check_scaled_mm_batch_invariant, _G_EX, _few_rows, secondary=True),
     Contract("quantize.bit_exact", _Q, "info",
              "codes and scales are the reference's bits (reported yes/no; the contract is quantize.codes)",
-             "bit-exact", _qp(), check_quantize_bit_exact, _Q_EX),
+             "bit-exact", _qp(), check_quantize_bit_exact, _Q_EX, secondary=True),
 )
 
 CONTRACT_NAMES: tuple[str, ...] = tuple(c.name for c in CONTRACTS)

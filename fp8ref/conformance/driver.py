@@ -1,8 +1,11 @@
 """The conformance driver: run the contract table against a backend and report, without pytest.
 
-``check(backend)`` runs every contract of ``CONTRACTS`` as a Hypothesis search (no example
-database, so nothing is shared between processes), captures the shrunk minimal counterexample
-of each failure, and returns a ``Report`` (JSON and markdown, mergeable across runs and hosts).
+``check(backend)`` runs every contract of ``CONTRACTS`` for the ops the backend claims: first the
+op's corner sweep (``sweep.py``, deterministic), then a Hypothesis search (no example database,
+so nothing is shared between processes) that shrinks a failure to a minimal counterexample. It
+returns a ``Report`` (JSON and markdown, mergeable across runs and hosts) whose verdict is
+``pass`` only when every claimed contract ran examples and none failed, with a coverage table of
+what was tested and what the backend declined.
 """
 
 from __future__ import annotations
@@ -10,28 +13,39 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections import Counter
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from hypothesis import example, given, reject
+from hypothesis import Verbosity, given, reject, settings
 from hypothesis import seed as hseed
 from hypothesis.errors import HypothesisException, Unsatisfiable
 
 from ..registry import Backend, get_backend
-from .contracts import CONTRACTS, Contract, Declined, get_contract
+from ..spec.schemes import QuantScheme, Recipe
+from .contracts import CONTRACTS, Contract, Declined, get_contract, reference_threads
+from .coverage import COVERAGE_COLUMNS, Coverage
 from .probe import PROBE_MAX_BITS, accumulator_bits
 from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
+from .scope import Scope, make_scope
+from .sweep import corner_sweep
 
 __all__ = ["ContractResult", "Report", "check", "check_contract", "merge_reports", "load_report",
-           "apply_known_failures"]
+           "apply_known_failures", "reproduce_line", "PASS", "FAIL", "ERROR", "NA", "XFAIL", "XPASS", "YES", "NO",
+           "UNTESTED", "NOT_CLAIMED"]
 
 #: Statuses of one contract. ``xfail``: a known upstream failure (ledger); ``xpass``: a ledger
-#: entry that no longer fails, which fails the report so the entry gets removed.
+#: entry that no longer fails, which fails the report so the entry gets removed. ``untested``: a
+#: contract of a claimed op on which no example ran (every one declined): the report is not a
+#: pass. ``not claimed``: a contract of an op the backend does not declare (or the check did not
+#: claim). ``n/a``: an info contract with no example.
 PASS, FAIL, ERROR, NA, XFAIL, XPASS, YES, NO = "pass", "fail", "error", "n/a", "xfail", "xpass", "yes", "no"
+UNTESTED, NOT_CLAIMED = "untested", "not claimed"
 _FAILING = {FAIL, ERROR, XPASS}
+#: Report verdicts.
+V_PASS, V_FAIL, V_UNTESTED, V_UNAVAILABLE = "pass", "fail", "untested", "unavailable"
 
 
 @dataclass
@@ -49,6 +63,10 @@ class ContractResult:
     reproduce: str | None = None
     seconds: float = 0.0
     note: str | None = None
+    op: str = ""
+    sweep: int = 0  #: examples of ``examples`` that came from the pinned examples and the corner sweep
+    examples_to_failure: int | None = None  #: examples run until the first failure, the failing one included
+    coverage: dict | None = None  #: ``Coverage.to_dict()``: what the examples that ran covered, what was declined
 
     @property
     def failed(self) -> bool:
@@ -64,10 +82,12 @@ class Report:
     backend : str
     available : bool
     reason : str or None
-        Why the backend cannot run here (then ``results`` is empty and ``passed`` is True:
-        nothing failed, and the table says so).
+        Why the backend cannot run here (then ``results`` is empty and the verdict is
+        "unavailable": nothing is certified).
     precision, accumulation : str
         The backend's declaration.
+    claimed : str
+        What the certificate covers: the ops (and, for a narrowed check, the schemes).
     accumulator_bits : int or None
         The probe's reading (``fp8ref.conformance.accumulator_bits``).
     batch_invariant : str or None
@@ -88,19 +108,48 @@ class Report:
     results: list[ContractResult] = field(default_factory=list)
     seconds: float = 0.0
     host: str = field(default_factory=lambda: f"{platform.node()} ({platform.machine()}, torch {torch.__version__})")
+    claimed: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """``pass`` (every claimed contract ran examples and none failed), ``fail``, ``untested``
+        (no failure, but a claimed contract ran no example, or nothing was claimed at all) or
+        ``unavailable``."""
+        if not self.available:
+            return V_UNAVAILABLE
+        if any(r.failed for r in self.results):
+            return V_FAIL
+        if any(r.status == UNTESTED for r in self.results) or not any(r.status == PASS for r in self.results):
+            return V_UNTESTED
+        return V_PASS
 
     @property
     def passed(self) -> bool:
-        return not any(r.failed for r in self.results)
+        """True only for the verdict ``pass``: never for a backend that was not tested."""
+        return self.verdict == V_PASS
 
     @property
     def failures(self) -> list[ContractResult]:
         return [r for r in self.results if r.failed]
 
     @property
+    def untested(self) -> list[ContractResult]:
+        return [r for r in self.results if r.status == UNTESTED]
+
+    @property
     def worst_ratio(self) -> float | None:
         ratios = [r.worst_ratio for r in self.results if r.worst_ratio is not None and not r.failed]
         return max(ratios) if ratios else None
+
+    @property
+    def examples_to_detection(self) -> int | None:
+        """Examples run, over the contracts in order, until the first failure (None: no failure)."""
+        total = 0
+        for r in self.results:
+            if r.failed and r.examples_to_failure is not None:
+                return total + r.examples_to_failure
+            total += r.examples
+        return None
 
     def result(self, contract: str) -> ContractResult:
         for r in self.results:
@@ -111,6 +160,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["passed"] = self.passed
+        d["verdict"] = self.verdict
         return d
 
     def to_json(self) -> str:
@@ -120,21 +170,31 @@ class Report:
     def from_dict(cls, d: dict[str, Any]) -> Report:
         d = dict(d)
         d.pop("passed", None)
+        d.pop("verdict", None)
         d["results"] = [ContractResult(**r) for r in d.get("results", [])]
         return cls(**d)
 
+    def _headline(self) -> str:
+        word = {V_PASS: "PASSED", V_FAIL: "FAILED", V_UNTESTED: "UNTESTED (not certified)"}[self.verdict]
+        why = ""
+        if self.verdict == V_UNTESTED:
+            names = [r.contract for r in self.untested]
+            why = (": no example ran for " + ", ".join(names)) if names else ": no claimed contract ran"
+        return word + why
+
     def to_markdown(self) -> str:
-        """The report as a markdown section: a header line and one table row per contract."""
+        """The report as a markdown section: a header line, one table row per contract, and the
+        coverage table."""
         head = f"### `{self.backend}` ({self.profile} profile, seed {self.seed})\n\n"
         if not self.available:
-            return head + f"unavailable: {self.reason}\n"
+            return head + f"unavailable: {self.reason} (not certified)\n"
         bits = _fmt_bits(self.accumulator_bits)
-        head += (f"{'PASSED' if self.passed else 'FAILED'} in {self.seconds:.1f} s on {self.host}; declares "
+        head += (f"{self._headline()} in {self.seconds:.1f} s on {self.host}; certified for {self.claimed}; declares "
                  f"{self.accumulation} accumulation, {self.output_roundings} output rounding(s) "
                  f"[{self.precision}]; accumulator reads {bits} bits; batch-invariant: "
                  f"{self.batch_invariant or 'n/a'}; worst error/bound {_fmt_ratio(self.worst_ratio)}\n\n")
-        rows = ["| contract | kind | status | examples | worst err/bound | time (s) | detail |",
-                "|---|---|---|---|---|---|---|"]
+        rows = ["| contract | kind | status | examples (sweep) | declined | worst err/bound | time (s) | detail |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in self.results:
             detail = r.note or ""
             if r.counterexample:
@@ -143,28 +203,48 @@ class Report:
                     detail += f" -- reproduce: `{r.reproduce}`"
             elif r.message:
                 detail = r.message
-            rows.append(f"| {r.contract} | {r.kind} | {r.status} | {r.examples} | {_fmt_ratio(r.worst_ratio)} | "
-                        f"{r.seconds:.2f} | {_md(detail)} |")
-        return head + "\n".join(rows) + "\n"
+            rows.append(f"| {r.contract} | {r.kind} | {r.status} | {r.examples} ({r.sweep}) | {r.declined} | "
+                        f"{_fmt_ratio(r.worst_ratio)} | {r.seconds:.2f} | {_md(detail)} |")
+        cov = ["", "Coverage of the examples that ran:", "",
+               "| contract | " + " | ".join(h for _, h in COVERAGE_COLUMNS) + " | declined |",
+               "|---|" + "---|" * (len(COVERAGE_COLUMNS) + 1)]
+        for r in self.results:
+            if r.status == NOT_CLAIMED:
+                continue
+            cells = " | ".join(_md(Coverage.cell(r.coverage, k)) for k, _ in COVERAGE_COLUMNS)
+            cov.append(f"| {r.contract} | {cells} | {_md(Coverage.declined_text(r.coverage))} |")
+        return head + "\n".join(rows + cov) + "\n"
 
     def to_text(self) -> str:
-        """A terminal table."""
+        """A terminal table, then the coverage table."""
         lines = [f"{self.backend}  [{self.profile} profile, seed {self.seed}]"]
         if not self.available:
-            return lines[0] + f"\n  unavailable: {self.reason}\n"
+            return lines[0] + f"\n  unavailable: {self.reason} (not certified)\n"
+        lines.append(f"  certified for {self.claimed}")
         lines.append(f"  declares {self.accumulation} accumulation, {self.output_roundings} output rounding(s) "
                      f"[{self.precision}]; accumulator reads {_fmt_bits(self.accumulator_bits)} bits; "
                      f"batch-invariant: {self.batch_invariant or 'n/a'}")
-        lines.append(f"  {'contract':30} {'kind':8} {'status':7} {'examples':>8} {'err/bound':>10} {'time':>7}")
+        lines.append(f"  {'contract':30} {'kind':8} {'status':11} {'examples':>8} {'sweep':>6} {'declined':>8} "
+                     f"{'err/bound':>10} {'time':>7}")
         for r in self.results:
-            lines.append(f"  {r.contract:30} {r.kind:8} {r.status:7} {r.examples:8d} {_fmt_ratio(r.worst_ratio):>10} "
-                         f"{r.seconds:6.2f}s")
-            if r.failed or r.status in (NO, XFAIL, NA):
+            lines.append(f"  {r.contract:30} {r.kind:8} {r.status:11} {r.examples:8d} {r.sweep:6d} {r.declined:8d} "
+                         f"{_fmt_ratio(r.worst_ratio):>10} {r.seconds:6.2f}s")
+            if r.failed or r.status in (NO, XFAIL, NA, UNTESTED):
                 for extra in (r.counterexample and f"counterexample: {r.counterexample}", r.message, r.note,
                               r.reproduce and f"reproduce: {r.reproduce}"):
                     if extra:
                         lines.append(f"      {extra}")
-        lines.append(f"  {'PASSED' if self.passed else 'FAILED'} in {self.seconds:.1f} s")
+        lines.append("  coverage of the examples that ran:")
+        widths = {"M": 8, "N": 8, "K": 8, "formats": 21, "granularity": 30, "scales": 25, "x": 14, "out": 14,
+                  "bias": 18}
+        lines.append(f"    {'contract':30} " + " ".join(f"{h:{widths[k]}}" for k, h in COVERAGE_COLUMNS)
+                     + " declined")
+        for r in self.results:
+            if r.status == NOT_CLAIMED:
+                continue
+            cells = " ".join(f"{Coverage.cell(r.coverage, k):{widths[k]}}" for k, _ in COVERAGE_COLUMNS)
+            lines.append(f"    {r.contract:30} {cells} {Coverage.declined_text(r.coverage, top=1)}")
+        lines.append(f"  {self._headline()} in {self.seconds:.1f} s")
         return "\n".join(lines) + "\n"
 
 
@@ -190,19 +270,75 @@ def _blob(exc: BaseException) -> str | None:
 
 
 def _profile_for(backend: Backend, prof: Profile) -> Profile:
-    """The profile, with the element budget lowered to the backend's optional
-    ``conformance_max_elems`` hint (interpreted kernels pay per element)."""
+    """The profile for ``backend``: a backend that pays per element (the Triton interpreter) sets
+    ``conformance_max_elems``; it then gets operands of at most that many elements and hint/128
+    rows (such kernels also pay per row program), the secondary contracts run every third sweep
+    item, and the search's time budget per contract is at most 1 s. The report says so."""
     hint = getattr(backend, "conformance_max_elems", None)
     if isinstance(hint, int) and 0 < hint < prof.max_elems:
-        return prof.with_(max_elems=hint)
+        return prof.with_(max_elems=hint, max_rows=min(prof.max_rows, max(1, hint // 128)), sweep_stride=3,
+                          time_budget_s=min(prof.time_budget_s, 1.0))
     return prof
 
 
+def _backend_expr(backend: Backend) -> tuple[str, str]:
+    """(how the Python reproduce line names the backend, a comment saying what it is)."""
+    if _registered(backend):
+        return repr(backend.name), ""
+    cls = type(backend)
+    return "<backend>", f"  # <backend>: the {cls.__module__}.{cls.__qualname__} instance {backend.name!r}"
+
+
+def _registered(backend: Backend) -> bool:
+    try:
+        return get_backend(backend.name) is backend
+    except KeyError:
+        return False
+
+
+def reproduce_line(backend: Backend, profile: str, seed: int, contract: str, scope: Scope | None = None) -> str:
+    """The call that reproduces a failure: always the Python call; for a backend registered
+    under its name (and a check not narrowed to schemes), the CLI command as well.
+
+    Examples
+    --------
+    >>> from fp8ref import get_backend
+    >>> from fp8ref.conformance.driver import reproduce_line
+    >>> print(reproduce_line(get_backend("reference"), "ci", 3, "scaled_mm.bound").replace("  or: ", "\\n"))
+    fp8ref.conformance.check('reference', profile='ci', seed=3, contracts=['scaled_mm.bound'])
+    fp8ref conformance --backend reference --profile ci --seed 3 --only scaled_mm.bound
+    """
+    who, note = _backend_expr(backend)
+    extra = ""
+    if scope is not None and tuple(scope.ops) != tuple(backend.ops):
+        extra += f", ops={tuple(scope.ops)!r}"
+    if scope is not None and scope.narrowed:
+        extra += ", schemes=<the same schemes>"
+    py = f"fp8ref.conformance.check({who}, profile={profile!r}, seed={seed}, contracts=[{contract!r}]{extra})"
+    if who.startswith("<") or (scope is not None and scope.narrowed):
+        return py + note
+    cli = f"fp8ref conformance --backend {backend.name} --profile {profile} --seed {seed} --only {contract}"
+    if scope is not None and tuple(scope.ops) != tuple(backend.ops):
+        cli += "".join(f" --ops {o}" for o in scope.ops)
+    return f"{py}  or: {cli}"
+
+
+def _claimed(backend: Backend, scope: Scope) -> str:
+    text = scope.describe()
+    if tuple(scope.ops) == tuple(backend.ops) and not scope.narrowed:
+        text += " (everything the backend declares)"
+    return text
+
+
 def check_contract(backend: Backend, contract: Contract | str, profile: Profile | str | None = "ci",
-                   seed: int = 0, max_examples: int | None = None, pinned: bool = True) -> ContractResult:
+                   seed: int = 0, max_examples: int | None = None, sweep: bool = True,
+                   scope: Scope | None = None) -> ContractResult:
     """Run one contract against ``backend`` and return its result (never raises for a violation).
 
-    ``pinned=False`` skips the contract's pinned examples (to measure what the search alone finds).
+    First the contract's pinned examples and the op's corner sweep (``sweep=False`` skips both, to
+    measure what the search alone finds), then the Hypothesis search. A contract of an op outside
+    ``scope.ops`` (default: the backend's declared ops) is "not claimed"; one of a claimed op on
+    which no example ran is "untested".
 
     Examples
     --------
@@ -211,59 +347,157 @@ def check_contract(backend: Backend, contract: Contract | str, profile: Profile 
     >>> check_contract(get_backend("reference"), "quantize.sign_symmetry", "dev", seed=1).status
     'pass'
     """
+    with reference_threads():
+        return _check_contract(backend, contract, profile, seed, max_examples, sweep, scope)
+
+
+def _check_contract(backend, contract, profile, seed, max_examples, sweep, scope) -> ContractResult:
     contract = get_contract(contract) if isinstance(contract, str) else contract
     prof = _profile_for(backend, get_profile(profile))
+    scope = scope if scope is not None else make_scope(backend)
     t0 = time.perf_counter()
-    res = ContractResult(contract.name, contract.kind, PASS)
-    res.reproduce = (f"fp8ref conformance --backend {backend.name} --profile {prof.name} --seed {seed} "
-                     f"--only {contract.name}")
+    res = ContractResult(contract.name, contract.kind, PASS, op=contract.op)
+    if contract.op not in scope.ops:
+        res.status = NOT_CLAIMED
+        why = "not declared by the backend" if contract.op not in backend.ops else "not among the ops checked"
+        res.note = f"op {contract.op} {why} (backend ops: {', '.join(backend.ops)})"
+        return res
+    res.reproduce = reproduce_line(backend, prof.name, seed, contract.name, scope)
+    cov = Coverage()
     if contract.strategy is None:  # a probe: deterministic, no search
         try:
             contract.check(backend)
-            res.examples = 1
+            res.examples = res.sweep = 1
         except Declined as exc:
-            res.status, res.note = NA, str(exc)
+            res.status, res.note = UNTESTED, str(exc)
+            cov.decline(str(exc))
         except AssertionError as exc:
             res.status, res.message, res.counterexample = FAIL, str(exc), "accumulator probe (fixed input)"
+            res.examples_to_failure = 1
         except Exception as exc:
             res.status, res.message, res.counterexample = ERROR, f"{type(exc).__name__}: {exc}", "probe"
+            res.examples_to_failure = 1
+        res.coverage = cov.to_dict()
+        res.declined = sum(cov.declined.values())
         res.seconds = time.perf_counter() - t0
         if res.status == PASS:
             res.reproduce = None
         return res
 
-    declined: Counter = Counter()
-    state: dict[str, Any] = {"n": 0, "worst": None, "fail": None, "budget": False}
+    state: dict[str, Any] = {"n": 0, "worst": None, "fail": None, "budget": False, "first_fail_n": None}
 
-    @hypothesis_settings(prof, max_examples)
+    def run_one(problem):
+        ratio = contract.check(backend, problem)
+        state["n"] += 1
+        cov.add(problem.facets())
+        if ratio is not None and (state["worst"] is None or ratio > state["worst"]):
+            state["worst"] = ratio
+
+    failed_in_sweep = False
+    if sweep:
+        problems = [e for e in contract.examples if _in_scope(e, scope)] + _op_sweep(backend, contract, prof, seed,
+                                                                                      scope)
+        for problem in problems:
+            try:
+                run_one(problem)
+            except Declined as exc:
+                cov.decline(str(exc))
+            except Exception as exc:  # noqa: BLE001 -- a violation or a crash of the backend, reported
+                res.status = FAIL if isinstance(exc, AssertionError) else ERROR
+                res.counterexample = repr(problem)
+                res.message = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+                res.examples_to_failure = state["n"] + 1
+                failed_in_sweep = True
+                break
+        res.sweep = state["n"]
+
+    if not failed_in_sweep and max_examples != 0:
+        _search(backend, contract, prof, seed, max_examples, scope, state, cov, res, t0, run_one)
+
+    res.examples = state["n"]
+    if state["budget"] and res.status == PASS:
+        res.note = (f"search stopped by the time budget of {prof.time_budget_s:g} s after "
+                    f"{state['n'] - res.sweep} examples (the sweep ran {res.sweep})")
+    res.declined = sum(cov.declined.values())
+    res.coverage = cov.to_dict()
+    res.worst_ratio = state["worst"]
+    if res.status == PASS and state["n"] == 0:
+        reasons = "; ".join(f"{r} (x{n})" for r, n in cov.declined.most_common(3)) or "nothing was drawn"
+        if contract.kind == "info":
+            res.status, res.note = NA, "no example applies: " + reasons
+        else:
+            res.status, res.note = UNTESTED, "no example ran (not certified): " + reasons
+    if contract.kind == "info" and res.status in (PASS, FAIL):
+        res.status = YES if res.status == PASS else NO
+    if res.status in (PASS, YES, NA, UNTESTED):
+        res.reproduce = None
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _in_scope(problem, scope: Scope) -> bool:
+    """Whether a pinned example lies within a narrowed claim (always, for an un-narrowed one)."""
+    if not scope.narrowed:
+        return True
+    if hasattr(problem, "scheme"):
+        return problem.scheme in scope.schemes
+    return problem.recipe in scope.recipes
+
+
+#: Sweeps generated per (backend, op, profile, seed, scope), shared by the contracts of an op and
+#: by separate ``check_contract`` calls (pytest runs one contract per test).
+_SWEEPS: OrderedDict = OrderedDict()
+
+
+def _op_sweep(backend: Backend, contract: Contract, prof: Profile, seed: int, scope: Scope) -> list:
+    key = (id(backend), type(backend).__qualname__, backend.name, contract.op, prof, seed, scope)
+    problems = _SWEEPS.get(key)
+    if problems is None:
+        problems = corner_sweep(contract.op, prof, backend, seed, scope)
+        _SWEEPS[key] = problems
+        if len(_SWEEPS) > 64:
+            _SWEEPS.popitem(last=False)
+    problems = contract.sweep(problems) if contract.sweep is not None else list(problems)
+    if contract.secondary and prof.sweep_stride > 1:
+        off = CONTRACTS.index(contract) % prof.sweep_stride if contract in CONTRACTS else 0
+        problems = problems[off::prof.sweep_stride]
+    return problems
+
+
+class _BudgetSpent(BaseException):  # noqa: N818 -- a signal, not an error: Hypothesis lets BaseExceptions through
+    """Raised in the search when the time budget is spent; Hypothesis stops without shrinking."""
+
+
+def _search(backend, contract, prof, seed, max_examples, scope, state, cov, res, t0, run_one) -> None:
+    """The Hypothesis phase of ``check_contract`` (updates ``state``, ``cov`` and ``res``)."""
+    n_sweep = state["n"]
+    t_search = time.perf_counter()
+
+    @settings(hypothesis_settings(prof, max_examples), verbosity=Verbosity.quiet)
     @hseed(seed)
-    @given(contract.strategy(prof))
+    @given(contract.strategy(prof, scope))
     def run(problem):
-        if (state["fail"] is None and state["n"] >= 1 and time.perf_counter() - t0 > prof.time_budget_s):
-            state["budget"] = True
-            reject()  # budget spent: draw no more work (a failure being shrunk is not cut short)
+        if state["fail"] is None and state["n"] > n_sweep and time.perf_counter() - t_search > prof.time_budget_s:
+            raise _BudgetSpent  # ends the search at once (a failure being shrunk is not cut short)
         try:
-            ratio = contract.check(backend, problem)
+            run_one(problem)
         except Declined as exc:
-            declined[str(exc)] += 1
+            cov.decline(str(exc))
             reject()
         except HypothesisException:
             raise
         except Exception as exc:
+            if state["first_fail_n"] is None:
+                state["first_fail_n"] = state["n"] + 1
             state["fail"] = (problem, exc)  # the last failure recorded is the shrunk one, replayed last
             raise
-        state["n"] += 1
-        if ratio is not None and (state["worst"] is None or ratio > state["worst"]):
-            state["worst"] = ratio
 
-    for ex in contract.examples if pinned else ():
-        run = example(ex)(run)
     try:
         run()
+    except _BudgetSpent:
+        state["budget"] = True
     except Unsatisfiable:
-        if state["n"] == 0:
-            res.status = NA
-            res.note = "no example applies: " + "; ".join(f"{r} (x{n})" for r, n in declined.most_common(3))
+        pass
     except BaseException as exc:  # noqa: B036 -- Hypothesis raises ExceptionGroups / Flaky here too
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -271,22 +505,12 @@ def check_contract(backend: Backend, contract: Contract | str, profile: Profile 
         res.status = FAIL if isinstance(err, AssertionError) else ERROR
         res.counterexample = repr(problem) if problem is not None else None
         res.message = str(err) if isinstance(err, AssertionError) else f"{type(err).__name__}: {err}"
+        res.examples_to_failure = state["first_fail_n"] or state["n"] + 1
         if "Flaky" in type(exc).__name__:
             res.message = "(fails only sometimes: non-deterministic) " + res.message
         blob = _blob(exc)
         if blob:
             res.reproduce = f"{res.reproduce}  # or in a test: {blob}"
-    res.examples = state["n"]
-    if state["budget"] and res.status == PASS:
-        res.note = f"time budget of {prof.time_budget_s:g} s reached after {state['n']} examples"
-    res.declined = sum(declined.values())
-    res.worst_ratio = state["worst"]
-    if contract.kind == "info" and res.status in (PASS, FAIL):
-        res.status = YES if res.status == PASS else NO
-    if res.status in (PASS, YES) or res.status == NA:
-        res.reproduce = None
-    res.seconds = time.perf_counter() - t0
-    return res
 
 
 def apply_known_failures(report: Report, known: Iterable[dict]) -> Report:
@@ -309,7 +533,8 @@ def apply_known_failures(report: Report, known: Iterable[dict]) -> Report:
 
 def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: int | None = None, *,
           contracts: Sequence[str] | None = None, known_failures: Iterable[dict] | None = None,
-          fail_fast: bool = False, max_examples: int | None = None, pinned: bool = True) -> Report:
+          fail_fast: bool = False, max_examples: int | None = None, sweep: bool = True,
+          ops: Sequence[str] | None = None, schemes: Sequence[QuantScheme | Recipe] | None = None) -> Report:
     """Certify ``backend`` against every contract of ``CONTRACTS`` (or the named ones).
 
     Parameters
@@ -319,8 +544,9 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     profile : Profile or str or None
         ``dev``, ``ci`` (default) or ``thorough``; None reads ``$FP8REF_HYPOTHESIS_PROFILE``.
     seed : int, optional
-        Hypothesis seed. If omitted: the profile's fixed seed for a derandomized profile (``ci``:
-        the same commit gives the same verdict), else a random one (reported with the results).
+        Hypothesis seed (and the sweep's rotation). If omitted: the profile's fixed seed for a
+        derandomized profile (``ci``: the same commit gives the same verdict), else a random one
+        (reported with the results).
     contracts : sequence of str, optional
         Only these contracts.
     known_failures : iterable of dict, optional
@@ -329,15 +555,24 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     fail_fast : bool
         Stop at the first failing contract (the mutant self-test uses it).
     max_examples : int, optional
-        Override the profile's examples per contract.
-    pinned : bool
-        Run each contract's pinned examples before the search (default); False measures the
-        search alone.
+        Override the profile's search examples per contract (the sweep always runs in full; 0: the
+        sweep alone).
+    sweep : bool
+        Run each contract's pinned examples and the corner sweep before the search (default);
+        False measures the search alone.
+    ops : sequence of str, optional
+        Certify only these of the backend's declared ops (default: all it declares); contracts of
+        the others read "not claimed".
+    schemes : sequence of QuantScheme or Recipe, optional
+        Certify only for these schemes: quantize contracts draw the QuantSchemes (and the recipes'
+        activation schemes), GEMM and linear contracts the Recipes (and each QuantScheme as
+        activations with its dynamic twin as weights). The report says so.
 
     Returns
     -------
     Report
-        ``report.passed``, per-contract results with counterexamples, JSON/markdown output.
+        ``report.verdict`` ("pass", "fail", "untested", "unavailable"), ``report.passed`` (True only
+        for "pass"), per-contract results with counterexamples and coverage, JSON/markdown output.
 
     Examples
     --------
@@ -352,10 +587,15 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
         raise TypeError(f"expected an fp8ref.Backend or a registered name, got {type(backend).__name__}")
     prof = get_profile(profile)
     seed = resolve_seed(prof, seed)
+    scope = make_scope(backend, ops, schemes)
     rep = Report(backend.name, prof.name, seed, precision=backend.precision.value,
-                 accumulation=backend.accumulation.name, output_roundings=backend.output_roundings)
-    if _profile_for(backend, prof).max_elems != prof.max_elems:
-        rep.profile = f"{prof.name} (max {_profile_for(backend, prof).max_elems} elements per operand, backend hint)"
+                 accumulation=backend.accumulation.name, output_roundings=backend.output_roundings,
+                 claimed=_claimed(backend, scope))
+    eff = _profile_for(backend, prof)
+    if eff.max_elems != prof.max_elems:
+        rep.profile = (f"{prof.name} (backend hint: max {eff.max_elems} elements and {eff.max_rows} rows per "
+                       f"operand, secondary contracts on every {eff.sweep_stride}th sweep item, "
+                       f"{eff.time_budget_s:g} s search budget)")
     try:
         reason = backend.available()
     except Exception as exc:
@@ -366,13 +606,13 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     t0 = time.perf_counter()
     selected = CONTRACTS if contracts is None else tuple(get_contract(c) for c in contracts)
     for c in selected:
-        r = check_contract(backend, c, prof, seed, max_examples, pinned)
+        r = check_contract(backend, c, prof, seed, max_examples, sweep, scope)
         rep.results.append(r)
         if c.name == "scaled_mm.batch_invariant":
             rep.batch_invariant = r.status if r.status in (YES, NO) else None
         if fail_fast and r.failed:
             break
-    if any(r.contract == "scaled_mm.accumulator_bits" for r in rep.results):
+    if any(r.contract == "scaled_mm.accumulator_bits" and r.status != NOT_CLAIMED for r in rep.results):
         try:
             rep.accumulator_bits = accumulator_bits(backend)
         except Exception:  # the probe contract already reported the error
@@ -399,11 +639,14 @@ def merge_reports(reports: Sequence[Report]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         if not r.available:
-            rows.append(f"| {r.backend} | {_md(r.host)} | {r.profile} | unavailable: {_md(str(r.reason))} "
+            rows.append(f"| {r.backend} | {_md(r.host)} | {r.profile} | unavailable (not certified): "
+                        f"{_md(str(r.reason))} "
                         f"| {r.precision} | | | | | |")
             continue
-        failing = ", ".join(f"{x.contract} ({x.status})" for x in r.results if x.failed or x.status == XFAIL)
-        rows.append(f"| {r.backend} | {_md(r.host)} | {r.profile} | {'pass' if r.passed else 'FAIL'} | {r.precision} "
+        failing = ", ".join(f"{x.contract} ({x.status})" for x in r.results
+                            if x.failed or x.status in (XFAIL, UNTESTED))
+        rows.append(f"| {r.backend} | {_md(r.host)} | {r.profile} | {r.verdict if r.passed else r.verdict.upper()} "
+                    f"| {r.precision} "
                     f"| {_fmt_bits(r.accumulator_bits)} | {r.batch_invariant or 'n/a'} | {_fmt_ratio(r.worst_ratio)} "
                     f"| {failing or '-'} | {r.seconds:.1f} |")
     return "\n".join(rows) + "\n"

@@ -1,6 +1,7 @@
 """A characterization probe: how many significand bits a backend's GEMM accumulator keeps.
 
-Row m of the activations is ``[256, c_m, 0, ..., 0, -256]`` and weight column n is
+Row m of the activations is ``[256, c_m, 0, ..., 0, -256]`` (K = 16, or 128 for a backend that
+takes only whole 128-blocks) and weight column n is
 ``[256, d_n, 0, ..., 0, 256]`` (all scales 1), so the exact result is ``delta = c_m d_n`` while a
 K-ordered accumulator first forms ``2**16 + delta``. An accumulator with a p-bit significand
 keeps delta exactly when delta >= ulp(2**16) = 2**(17 - p) and loses all of it when delta is at
@@ -28,19 +29,21 @@ _D = [2.0**8, 1.0, 2.0**-9]  # d_n
 #: Bits read from delta = c_m d_n: 17 - log2(delta); the columns read 1..18, 9..26 and 18..35
 #: (a reading of 0: even delta = 2**16 was lost, so products are dropped, not rounded).
 PROBE_MAX_BITS = 35
-_M, _N, _K = 32, 16, 16  # multiples of 16: the alignment every fp8 GEMM accepts
+_M, _N = 32, 16  # multiples of 16: the alignment every fp8 GEMM accepts
+#: K of the probe: 16, or 128 for kernels that take whole 128-blocks only (zeros in between).
+_KS = (16, 128)
 
 
-def _operands(recipe):
-    a = torch.zeros(_M, _K)
+def _operands(recipe, K: int):
+    a = torch.zeros(_M, K)
     for m, c in enumerate(_C):
-        a[m, 0], a[m, 1], a[m, _K - 1] = _L_CODE, c, -_L_CODE
-    b = torch.zeros(_N, _K)
+        a[m, 0], a[m, 1], a[m, K - 1] = _L_CODE, c, -_L_CODE
+    b = torch.zeros(_N, K)
     for n, d in enumerate(_D):
-        b[n, 0], b[n, 1], b[n, _K - 1] = _L_CODE, d, _L_CODE
+        b[n, 0], b[n, 1], b[n, K - 1] = _L_CODE, d, _L_CODE
     qa, qw = recipe.activation, recipe.weight
-    return (Quantized(a.to(qa.format.torch_dtype), torch.ones(qa.scale_shape(_M, _K), dtype=qa.scale_dtype), qa),
-            Quantized(b.to(qw.format.torch_dtype), torch.ones(qw.scale_shape(_N, _K), dtype=qw.scale_dtype), qw))
+    return (Quantized(a.to(qa.format.torch_dtype), torch.ones(qa.scale_shape(_M, K), dtype=qa.scale_dtype), qa),
+            Quantized(b.to(qw.format.torch_dtype), torch.ones(qw.scale_shape(_N, K), dtype=qw.scale_dtype), qw))
 
 
 def accumulator_bits(backend: Backend, device: str = "cpu") -> int | None:
@@ -65,24 +68,25 @@ def accumulator_bits(backend: Backend, device: str = "cpu") -> int | None:
     >>> accumulator_bits(get_backend("reference"))
     35
     """
-    for recipe in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK):
-        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-            # Small-M kernels (decode) decline 32 rows: feed them the probe rows in chunks.
-            for rows in (_M, 16, 4, 1):
-                case = Case(rows, _N, _K, recipe, torch.bfloat16, out_dtype, device=device, op="scaled_mm")
-                if decline_reason(backend, case) is None:
-                    return _read(backend, recipe, out_dtype, rows, device)
+    for K in _KS:
+        for recipe in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK):
+            for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                # Small-M kernels (decode) decline 32 rows: feed them the probe rows in chunks.
+                for rows in (_M, 16, 4, 1):
+                    case = Case(rows, _N, K, recipe, torch.bfloat16, out_dtype, device=device, op="scaled_mm")
+                    if decline_reason(backend, case) is None:
+                        return _read(backend, recipe, out_dtype, rows, device, K)
     return None
 
 
-def _read(backend: Backend, recipe, out_dtype: torch.dtype, rows: int, device: str) -> int:
-    a, b = _operands(recipe)
+def _read(backend: Backend, recipe, out_dtype: torch.dtype, rows: int, device: str, K: int) -> int:
+    a, b = _operands(recipe, K)
     b = Quantized(b.data.to(device), b.scale.to(device), b.scheme)
     prepared = backend.prepare_weight(b)
     ys = []
     for m0 in range(0, _M, rows):
         part = Quantized(a.data[m0:m0 + rows].to(device), a.scale[:1].expand(
-            a.scheme.scale_shape(rows, _K)).contiguous().to(device), a.scheme)
+            a.scheme.scale_shape(rows, K)).contiguous().to(device), a.scheme)
         ys.append(backend.scaled_mm(part, prepared, None, out_dtype).to(torch.float64).cpu())
     y = torch.cat(ys)
     lost = []

@@ -7,9 +7,16 @@ Three profiles, chosen with the environment variable ``FP8REF_HYPOTHESIS_PROFILE
 profile   examples  max M, N  max K  max elems   budget/contr  use
 ========  ========  ========  =====  ==========  ===========  =====================================
 dev       6         33        160    2048        2 s           editing a kernel: seconds per backend
-ci        16        64        272    4096        4 s           every push: one backend in < 60 s
+ci        16        64        272    16384       4 s           every push: one backend in < 60 s
 thorough  200       256       4097   unlimited   300 s         nightly: K = 4097, 1-element groups
 ========  ========  ========  =====  ==========  ===========  =====================================
+
+Before the random search, every contract runs the profile's *corner sweep* (``sweep.py``): a fixed
+list of problems generated for the backend, one or more per bug class -- every size 1, t-1, t,
+t+1 for t in ``thresholds`` on each axis (and ``large_rows`` rows, ``long_k`` columns) with the
+other axes small, extreme values at the first/last element and tile edges, static scales, scale
+grids that are not 1 x n, every format's corners, cancelling biases, swamped accumulators. The
+search budget (examples, time) does not cut the sweep short.
 
 Each profile is also registered as a Hypothesis settings profile named ``fp8ref-<name>``
 (no example database, so parallel workers share no state; no deadline, because a reference
@@ -25,7 +32,7 @@ from dataclasses import dataclass, replace
 from hypothesis import HealthCheck, Phase, settings
 
 __all__ = ["Profile", "PROFILES", "ENV_VAR", "get_profile", "default_profile_name", "hypothesis_settings",
-           "resolve_seed"]
+           "resolve_seed", "boundary_sizes"]
 
 ENV_VAR = "FP8REF_HYPOTHESIS_PROFILE"
 
@@ -60,6 +67,21 @@ class Profile:
         every report so that a failure reproduces.
     fixed_seed : int
         The seed of a derandomized profile.
+    thresholds : tuple of int
+        Tile sizes t where kernels switch paths: the sweep and the search draw 1, t-1, t, t+1 on
+        every axis.
+    large_rows : tuple of int
+        Row counts (M, N, quantized rows) beyond ``max_mn`` drawn with t-1, t, t+1, the other axes
+        kept small (a tall-thin operand).
+    long_k : tuple of int
+        Reduction lengths beyond ``max_k`` drawn likewise, with a single row or two.
+    max_rows : int
+        Largest row count of any operand (tall-thin shapes); lowered with ``max_elems`` for
+        backends that pay per element (``conformance_max_elems``).
+    sweep_stride : int
+        The secondary contracts (identities and info: determinism, symmetry, equivariance, bit
+        exactness, batch invariance) run every ``sweep_stride``-th sweep item; 1 except for
+        backends that pay per element.
     """
 
     name: str
@@ -72,21 +94,47 @@ class Profile:
     shrink: bool = True
     derandomize: bool = False
     fixed_seed: int = 0
+    thresholds: tuple[int, ...] = (8, 16, 32, 64, 128)
+    large_rows: tuple[int, ...] = ()
+    long_k: tuple[int, ...] = ()
+    max_rows: int = 1 << 30
+    sweep_stride: int = 1
 
     def with_(self, **changes) -> Profile:
         return replace(self, **changes)
 
 
 PROFILES: dict[str, Profile] = {
-    "dev": Profile("dev", max_examples=6, max_mn=33, max_k=160, max_elems=2048, time_budget_s=2.0),
-    "ci": Profile("ci", max_examples=16, max_mn=64, max_k=272, max_elems=4096, time_budget_s=4.0,
-                  derandomize=True),
+    "dev": Profile("dev", max_examples=6, max_mn=33, max_k=160, max_elems=2048, time_budget_s=2.0,
+                   thresholds=(8, 16, 64, 128), large_rows=(256,), long_k=(1024,), max_rows=257),
+    "ci": Profile("ci", max_examples=16, max_mn=64, max_k=272, max_elems=16384, time_budget_s=4.0,
+                  derandomize=True, thresholds=(8, 16, 32, 64, 128, 256), large_rows=(1024,), long_k=(1024, 4096),
+                  max_rows=1025),
     "thorough": Profile("thorough", max_examples=200, max_mn=256, max_k=4097, tiny_blocks=True,
-                        time_budget_s=300.0),
+                        time_budget_s=300.0, thresholds=(8, 16, 32, 64, 128, 256, 512),
+                        large_rows=(1024, 4096), long_k=(4096, 16384), max_rows=4097),
 }
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
              HealthCheck.large_base_example, HealthCheck.differing_executors, HealthCheck.nested_given]
+
+
+def boundary_sizes(profile: Profile, axis: str) -> list[int]:
+    """Sizes 1 and t-1, t, t+1 for every threshold t, plus ``large_rows`` (axis "rows": M, N, the
+    quantized rows) or ``long_k`` (axis "cols": K), within ``max_rows``/``max_elems``.
+
+    Examples
+    --------
+    >>> from fp8ref.conformance.profiles import PROFILES, boundary_sizes
+    >>> boundary_sizes(PROFILES["dev"], "rows")
+    [1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257]
+    """
+    if axis not in ("rows", "cols"):
+        raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
+    big = profile.large_rows if axis == "rows" else profile.long_k
+    cap = profile.max_rows if axis == "rows" else profile.max_elems
+    vals = {1} | {t + d for t in (*profile.thresholds, *big) for d in (-1, 0, 1)}
+    return sorted(v for v in vals if 1 <= v <= cap)
 
 
 def default_profile_name() -> str:

@@ -1,8 +1,15 @@
 """Hypothesis strategies for FP8 conformance: shapes, dtypes, value families, schemes, fp8 codes.
 
 Every strategy here draws a small, shrinkable *description* (sizes, a family name, a power of
-two, a seed) and builds the tensors from it deterministically, so a failing example shrinks to a
-readable one (``M=1, N=1, K=17, family='zero_rows', seed=0``) instead of to a wall of floats.
+two, a seed; see ``problems.py``) and builds the tensors from it deterministically, so a failing
+example shrinks to a readable one (``M=1, N=1, K=17, family='zero_rows', seed=0``) instead of to a
+wall of floats.
+
+The draws are stratified: a shape *regime* is drawn first -- small shapes in every dimension, or
+one axis from the profile's boundary sizes (1, t-1, t, t+1 for every tile threshold t, and the
+large row counts / long K of ``large_rows``/``long_k``) with the other axes small enough for the
+element budget -- so the search reaches tall-thin and long-K shapes as often as square ones.
+Schemes are static (caller-given scales) a quarter of the time.
 
 Third parties reuse these directly::
 
@@ -13,37 +20,50 @@ Third parties reuse these directly::
     def test_my_kernel(p):
         x, w, bias = p.build()
         ...
-
-Value families (``VALUE_FAMILIES``): normal, uniform, zeros, single (one non-zero),
-constant_rows, zero_rows, outliers (a few columns 100-1000x larger, as LLM activations have),
-heavy (Cauchy tails), dynamic_range (2**-60 .. 2**30 within a row), ties (every value lands on
-an FP8 rounding tie after scaling), qmax (values at +-qmax after scaling) and on_grid (values
-already on the FP8 grid: quantization is lossless). FP8 codes are drawn by bit pattern
-(``CODE_FAMILIES``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+import functools
 
 import torch
 from hypothesis import strategies as st
 
-from ..registry import Case
 from ..spec.formats import FORMATS, Fp8Format
-from ..spec.quant import Quantized
 from ..spec.schemes import RECIPES, Granularity, QuantScheme, Recipe
-from .profiles import Profile, get_profile
+from .problems import (
+    BIAS_MODES,
+    CODE_FAMILIES,
+    GRID_FAMILIES,
+    PLACES,
+    STATIC_KINDS,
+    VALUE_FAMILIES,
+    CodeSpec,
+    GemmProblem,
+    LinearProblem,
+    QuantizeProblem,
+    TensorSpec,
+    _grid_values,
+    anchor_blocks,
+    make_codes,
+    make_tensor,
+    static_scale,
+    swamp_ok,
+)
+from .profiles import Profile, boundary_sizes, get_profile
+from .scope import Scope
 
 __all__ = [
     "QuantScheme",
     "RECIPES",
     "SPECIAL_SIZES",
     "VALUE_FAMILIES",
+    "GRID_FAMILIES",
     "CODE_FAMILIES",
+    "STATIC_KINDS",
     "INPUT_DTYPES",
     "OUT_DTYPES",
+    "SWAMP_BITS",
     "TensorSpec",
     "CodeSpec",
     "QuantizeProblem",
@@ -56,6 +76,7 @@ __all__ = [
     "make_tensor",
     "make_codes",
     "anchor_blocks",
+    "static_scale",
     "quantize_problems",
     "gemm_problems",
     "linear_problems",
@@ -63,247 +84,142 @@ __all__ = [
 
 #: Awkward sizes every kernel must survive: 1, odd, one below/above a tile, 4097 (thorough only).
 SPECIAL_SIZES = (1, 3, 15, 16, 17, 32, 33, 64, 127, 128, 129, 144, 256, 272, 4097)
-VALUE_FAMILIES = ("normal", "uniform", "zeros", "single", "constant_rows", "zero_rows", "outliers", "heavy",
-                  "dynamic_range", "ties", "qmax", "on_grid")
-#: Families whose values are built on the scheme's grid: the scale is exactly 2**exp.
-GRID_FAMILIES = ("ties", "qmax", "on_grid")
-CODE_FAMILIES = ("bits", "small", "sparse", "extremes", "zeros")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
-
-
-def _dname(dt: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dt, str(dt))
+#: Significand widths the swamp family targets: 8 (bf16), 11 (fp16), 13/14 (Hopper's fast
+#: accumulation, RNE and truncating), 24 (fp32), and one more than each, where the class keeps
+#: every product and the next weaker one does not.
+SWAMP_BITS = (8, 9, 11, 12, 13, 14, 15, 24, 25)
 
 
 # --------------------------------------------------------------------------------------------
 # sizes, dtypes, schemes
 
 
+@functools.cache
 def sizes(cap: int, aligned_only: bool = False) -> st.SearchStrategy[int]:
     """A dimension in [1, cap]: special sizes, multiples of 16 and 128, or any integer.
 
-    Shrinks towards 1.
+    Shrinks towards 1. (Strategies here are cached: building and validating one per draw would
+    cost more than the draw.)
     """
     special = [s for s in SPECIAL_SIZES if s <= cap]
     mult16 = [s for s in range(16, cap + 1, 16)]
     if aligned_only:
         return st.sampled_from(mult16 or [16])
     # Uniform draws stop at 300 so that a large cap (thorough: 4097) keeps big sizes rare.
-    return st.one_of(st.sampled_from(special), st.sampled_from(mult16 or [1]), st.integers(1, min(cap, 300)))
+    return st.one_of(st.sampled_from(special or [1]), st.sampled_from(mult16 or [1]),
+                     st.integers(1, max(1, min(cap, 300))))
 
 
-def _grid_values(fmt: Fp8Format, qmax: float) -> torch.Tensor:
-    v = fmt.finite_values()
-    return v[(v > 0) & (v <= qmax)]
+@functools.cache
+def _boundary(p: Profile, axis: str, cap: int) -> st.SearchStrategy[int]:
+    vals = [v for v in boundary_sizes(p, axis) if v <= cap]
+    return st.sampled_from(vals or [1])
+
+
+@st.composite
+def _shape(draw, p: Profile, n_rows: int, aligned: bool = False) -> tuple[int, ...]:
+    """``n_rows`` row counts (M, or M and N) and K, from a drawn regime: small everywhere, or one
+    axis at a boundary size with the others small (tall-thin rows, long-K single rows)."""
+    if aligned:
+        rows = [draw(sizes(p.max_mn, True)) for _ in range(n_rows)]
+        return (*rows, draw(sizes(_k_cap(p, *rows), True)))
+    regime = draw(_I(0, n_rows + 1))  # 0: small; 1..n_rows: that row axis; n_rows + 1: K
+    if regime == 0:
+        rows = [draw(sizes(p.max_mn)) for _ in range(n_rows)]
+        return (*rows, draw(sizes(_k_cap(p, *rows))))
+    if regime <= n_rows:
+        rows = [draw(sizes(min(p.max_mn, 17))) for _ in range(n_rows)]
+        rows[regime - 1] = draw(_boundary(p, "rows", min(p.max_rows, p.max_elems)))
+        return (*rows, draw(sizes(min(_k_cap(p, *rows), 33))))
+    K = draw(_boundary(p, "cols", p.max_elems))
+    rows = [draw(sizes(max(1, min(5, p.max_elems // K)))) for _ in range(n_rows)]
+    return (*rows, K)
+
+
+def _k_cap(p: Profile, *rows: int) -> int:
+    """Largest K that keeps every [rows, K] operand within the profile's element budget."""
+    return max(1, min(p.max_k, p.max_elems // max(rows)))
+
+
+_S = functools.lru_cache(maxsize=None)(st.sampled_from)
+_I = functools.lru_cache(maxsize=None)(st.integers)
+_GROUPS = (128, 3, 16, 32, 64)
+_BLOCKS = ((128, 128), (16, 16), (3, 5), (128, 1), (1, 128), (32, 64))
+_FLOORS = (1e-12, 0.0, 1e-4)
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _random_scheme(draw, fmt: Fp8Format | None = None, tiny_blocks: bool = False) -> QuantScheme:
-    fmt = draw(st.sampled_from(list(FORMATS.values()))) if fmt is None else fmt
-    gran = draw(st.sampled_from(list(Granularity)))
+    fmt = draw(_S(tuple(FORMATS.values()))) if fmt is None else fmt
+    gran = draw(_S(tuple(Granularity)))
     kw: dict = {}
     if gran is Granularity.GROUP:
-        kw["group_size"] = draw(st.sampled_from([128, 3, 16, 32, 64] + ([1, 2] if tiny_blocks else [])))
+        kw["group_size"] = draw(_S(_GROUPS + ((1, 2) if tiny_blocks else ())))
     elif gran is Granularity.BLOCK:
-        blocks = [(128, 128), (16, 16), (3, 5), (128, 1), (1, 128), (32, 64)]
-        kw["block"] = draw(st.sampled_from(blocks + ([(1, 1), (2, 1)] if tiny_blocks else [])))
+        kw["block"] = draw(_S(_BLOCKS + (((1, 1), (2, 1)) if tiny_blocks else ())))
     grid = _grid_values(fmt, fmt.max)
-    qmax = draw(st.sampled_from([fmt.max, float(grid[-2]), float(grid[len(grid) * 3 // 4])]))
-    return QuantScheme(format=fmt, granularity=gran, amax_floor=draw(st.sampled_from([1e-12, 0.0, 1e-4])),
-                       qmax=qmax, scale_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
-                       pow2_scale=draw(st.booleans()), **kw)
+    qmax = draw(_S((fmt.max, float(grid[-2]), float(grid[len(grid) * 3 // 4]))))
+    return QuantScheme(format=fmt, granularity=gran, amax_floor=draw(_S(_FLOORS)), qmax=qmax,
+                       scale_dtype=draw(_S(_SCALE_DTYPES)), pow2_scale=draw(st.booleans()), **kw)
 
 
-@st.composite
-def schemes(draw, tiny_blocks: bool = False) -> QuantScheme:
-    """A dynamic QuantScheme: one of the presets' schemes or a random valid one."""
+_K_POW = st.integers(-8, 8).filter(bool)
+
+
+def _maybe_static(draw, s: QuantScheme) -> QuantScheme:
+    return s.with_(dynamic=False) if draw(_I(0, 3)) == 0 else s
+
+
+@functools.cache
+def _preset_schemes() -> st.SearchStrategy[QuantScheme]:
     presets = sorted({s for r in RECIPES.values() for s in (r.weight, r.activation)}, key=QuantScheme.short_str)
-    if draw(st.booleans()):
-        return draw(st.sampled_from(presets))
-    return _random_scheme(draw, tiny_blocks=tiny_blocks)
+    return st.sampled_from(presets)
 
 
 @st.composite
-def recipes(draw, tiny_blocks: bool = False) -> Recipe:
-    """A preset recipe (more often) or a random one (weight and activation schemes drawn apart)."""
-    if draw(st.integers(0, 2)) < 2:
-        return draw(st.sampled_from(list(RECIPES.values())))
-    w = _random_scheme(draw, tiny_blocks=tiny_blocks)
-    a = _random_scheme(draw, w.format if draw(st.booleans()) else None, tiny_blocks)
-    return Recipe("random", w, a)
+def schemes(draw, tiny_blocks: bool = False, static: bool = True) -> QuantScheme:
+    """A QuantScheme: one of the presets' schemes or a random valid one; static (a caller-given
+    scale) a quarter of the time unless ``static=False``."""
+    s = draw(_preset_schemes()) if draw(st.booleans()) else _random_scheme(draw, tiny_blocks=tiny_blocks)
+    return _maybe_static(draw, s) if static else s
+
+
+@st.composite
+def recipes(draw, tiny_blocks: bool = False, static: bool = True) -> Recipe:
+    """A preset recipe (more often) or a random one (weight and activation schemes drawn apart);
+    the activation scheme static a quarter of the time unless ``static=False``."""
+    if draw(_I(0, 2)) < 2:
+        r = draw(_S(tuple(RECIPES.values())))
+    else:
+        w = _random_scheme(draw, tiny_blocks=tiny_blocks)
+        a = _random_scheme(draw, w.format if draw(st.booleans()) else None, tiny_blocks)
+        r = Recipe("random", w, a)
+    if static and not draw(_I(0, 3)):
+        r = Recipe(r.name + "-static", r.weight, r.activation.with_(dynamic=False))
+    return r
+
+
+def _scheme_from(draw, p: Profile, scope: Scope | None) -> QuantScheme:
+    if scope is not None and scope.schemes is not None:
+        return draw(_S(scope.schemes))
+    return draw(schemes(p.tiny_blocks))
+
+
+def _recipe_from(draw, p: Profile, scope: Scope | None) -> Recipe:
+    if scope is not None and scope.recipes is not None:
+        return draw(_S(scope.recipes))
+    return draw(recipes(p.tiny_blocks))
+
+
+@functools.cache
+def _places(p: Profile) -> st.SearchStrategy[str]:
+    return st.sampled_from(PLACES + tuple(f"edge{t}" for t in p.thresholds))
 
 
 # --------------------------------------------------------------------------------------------
-# tensors from a description
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A float tensor described by family, magnitude 2**exp and seed (built by ``make_tensor``)."""
-
-    family: str = "normal"
-    exp: int = 0
-    seed: int = 0
-
-    def __repr__(self) -> str:
-        return f"{self.family}(2**{self.exp}, seed={self.seed})"
-
-
-def _exp_range(dtype: torch.dtype) -> tuple[int, int]:
-    """Powers of two that keep every family finite and mostly normal in ``dtype``."""
-    if dtype == torch.float16:
-        return -12, 4
-    return -130, 40  # down to fp32/bf16 subnormals: tiny scales and their reciprocals
-
-
-def _grid_exp_range(dtype: torch.dtype, fmt: Fp8Format) -> tuple[int, int]:
-    """2**e such that qmax*2**e, the grid's midpoints*2**e and the scale 2**e are exact in ``dtype``
-    and a normal number of every scale dtype (fp16 scales: 2**-14 .. 2**15)."""
-    hi = 15 - math.ceil(math.log2(fmt.max)) if dtype == torch.float16 else 15
-    lo = -14 if dtype != torch.float16 else max(-14, -24 - fmt.min_exponent + fmt.mantissa_bits + 1)
-    return lo, max(lo, min(hi, 8))
-
-
-def anchor_blocks(x: torch.Tensor, scheme: QuantScheme, anchor: float) -> torch.Tensor:
-    """Set the first column of every scale block of ``x`` to +-anchor, so every block's amax is
-    ``anchor`` (then the dynamic scale is anchor/qmax exactly when that is a power of two)."""
-    rows, cols = x.shape
-    _, c = scheme.block_shape(rows, cols)
-    x = x.clone()
-    sign = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0).to(torch.float64)
-    for j in range(0, cols, c):
-        x[:, j] = sign * anchor
-    return x
-
-
-def make_tensor(spec: TensorSpec, rows: int, cols: int, dtype: torch.dtype,
-                scheme: QuantScheme | None = None) -> torch.Tensor:
-    """Build the ``[rows, cols]`` tensor of ``dtype`` that ``spec`` describes.
-
-    Grid families (ties, qmax, on_grid) need the scheme that will quantize the tensor: their
-    values are FP8 grid points (or midpoints) of ``scheme.format`` times 2**exp, with +-qmax*2**exp
-    in every scale block, so the dynamic scale is exactly 2**exp.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from fp8ref.conformance.strategies import TensorSpec, make_tensor
-    >>> make_tensor(TensorSpec("zeros"), 2, 3, torch.float32).abs().sum().item()
-    0.0
-    """
-    g = torch.Generator().manual_seed(spec.seed)
-    f64 = torch.float64
-    fam = spec.family
-    scale = 2.0**spec.exp
-    if fam == "normal":
-        x = torch.randn(rows, cols, generator=g, dtype=f64)
-    elif fam == "uniform":
-        x = torch.rand(rows, cols, generator=g, dtype=f64) * 2 - 1
-    elif fam == "zeros":
-        x = torch.zeros(rows, cols, dtype=f64)
-    elif fam == "single":
-        x = torch.zeros(rows, cols, dtype=f64)
-        i = int(torch.randint(rows * cols, (1,), generator=g))
-        x.view(-1)[i] = float(torch.randn(1, generator=g, dtype=f64)) or 1.0
-    elif fam == "constant_rows":
-        x = torch.randn(rows, 1, generator=g, dtype=f64).expand(rows, cols).clone()
-    elif fam == "zero_rows":
-        x = torch.randn(rows, cols, generator=g, dtype=f64)
-        keep = torch.rand(rows, generator=g) < 0.5
-        keep[0] = False  # at least one all-zero row
-        x[~keep] = 0.0
-    elif fam == "outliers":
-        x = torch.randn(rows, cols, generator=g, dtype=f64)
-        n_out = min(cols, 1 + int(torch.randint(4, (1,), generator=g)))
-        idx = torch.randperm(cols, generator=g)[:n_out]
-        x[:, idx] *= 100 + 900 * torch.rand(n_out, generator=g, dtype=f64)
-    elif fam == "heavy":
-        x = torch.empty(rows, cols, dtype=f64).cauchy_(generator=g).clamp_(-1e4, 1e4)
-    elif fam == "dynamic_range":
-        lo = -20 if dtype == torch.float16 else -60
-        hi = 12 if dtype == torch.float16 else 30
-        e = torch.randint(lo, hi + 1, (rows, cols), generator=g).to(f64)
-        sign = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0).to(f64)
-        x = sign * torch.exp2(e)
-        scale = 1.0
-    elif fam in GRID_FAMILIES:
-        if scheme is None:
-            raise ValueError(f"family {fam!r} needs the scheme that will quantize the tensor")
-        fmt, qmax = scheme.format, scheme.qmax
-        lo, hi = _grid_exp_range(dtype, fmt)
-        scale = 2.0 ** min(max(spec.exp, lo), hi)
-        grid = _grid_values(fmt, qmax)
-        if fam == "ties":
-            # Midpoints of consecutive grid values (and between 0 and the smallest subnormal):
-            # x / s lands exactly on a tie; RNE must pick the even neighbour.
-            pts = torch.cat([grid[:1] / 2, (grid[1:] + grid[:-1]) / 2])
-        elif fam == "qmax":
-            pts = grid[-1:].expand(8)
-        else:
-            pts = torch.cat([grid, torch.zeros(1, dtype=f64)])
-        idx = torch.randint(len(pts), (rows, cols), generator=g)
-        sign = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0).to(f64)
-        x = anchor_blocks(sign * pts[idx], scheme, qmax)
-    else:
-        raise ValueError(f"unknown value family {fam!r}; expected one of {VALUE_FAMILIES}")
-    x = x * scale
-    big = torch.finfo(dtype).max / 4
-    return x.clamp(-big, big).to(dtype)
-
-
-@dataclass(frozen=True)
-class CodeSpec:
-    """FP8 codes drawn by bit pattern (family, seed), and their scales 2**exp * (1 + mantissa)."""
-
-    family: str = "bits"
-    seed: int = 0
-    scale_exp: int = -9
-    pow2_scales: bool = True
-
-    def __repr__(self) -> str:
-        s = "pow2" if self.pow2_scales else "random"
-        return f"codes:{self.family}(seed={self.seed}, scales 2**{self.scale_exp} {s})"
-
-
-def make_codes(spec: CodeSpec, rows: int, cols: int, scheme: QuantScheme) -> Quantized:
-    """A Quantized tensor whose codes are drawn by bit pattern (never NaN, |v| <= qmax) and whose
-    scales are positive, finite values of ``scheme.scale_dtype``."""
-    fmt, qmax = scheme.format, scheme.qmax
-    g = torch.Generator().manual_seed(spec.seed)
-    vals = fmt.code_values()
-    bits = torch.randint(0, 256, (rows, cols), generator=g)
-    fam = spec.family
-    if fam == "small":  # low exponents only: sums with little magnitude spread
-        bits = bits & 0xBF
-    elif fam == "sparse":
-        bits = torch.where(torch.rand(rows, cols, generator=g) < 0.8, 0, bits)
-    elif fam == "extremes":
-        pick = torch.randint(0, 4, (rows, cols), generator=g)
-        v = torch.stack([torch.full((rows, cols), qmax), torch.full((rows, cols), -qmax),
-                         torch.full((rows, cols), fmt.smallest_subnormal), torch.zeros(rows, cols)], 0)
-        data = torch.gather(v, 0, pick.unsqueeze(0))[0].to(torch.float32).to(fmt.torch_dtype)
-        return Quantized(data, _make_scales(spec, rows, cols, scheme, g), scheme)
-    elif fam == "zeros":
-        bits = torch.zeros_like(bits)
-    elif fam != "bits":
-        raise ValueError(f"unknown code family {fam!r}; expected one of {CODE_FAMILIES}")
-    v = vals[bits]
-    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)  # NaN codes are never a quantizer's output
-    v = torch.clamp(v, -qmax, qmax)
-    data = v.to(torch.float32).to(fmt.torch_dtype)
-    return Quantized(data, _make_scales(spec, rows, cols, scheme, g), scheme)
-
-
-def _make_scales(spec: CodeSpec, rows: int, cols: int, scheme: QuantScheme, g: torch.Generator) -> torch.Tensor:
-    shape = scheme.scale_shape(rows, cols)
-    e = spec.scale_exp + torch.randint(-2, 3, shape, generator=g).to(torch.float64)
-    s = torch.exp2(e)
-    if not spec.pow2_scales:
-        s = s * (1 + torch.rand(shape, generator=g, dtype=torch.float64))
-    info = torch.finfo(scheme.scale_dtype)
-    return s.clamp(float(info.tiny), float(info.max) / 2).to(scheme.scale_dtype)
+# codes
 
 
 @st.composite
@@ -318,157 +234,91 @@ def fp8_codes(draw, fmt: Fp8Format | str = "e4m3fn", max_elems: int = 64) -> tor
     return torch.tensor(bits, dtype=torch.uint8).view(fmt.torch_dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# problems
+@functools.cache
+def _tensor_specs(p: Profile, dtype: torch.dtype, families=VALUE_FAMILIES):
+    from .problems import _exp_range
 
-
-def _short(scheme: QuantScheme) -> str:
-    return scheme.short_str()
-
-
-@dataclass(frozen=True)
-class QuantizeProblem:
-    """Quantize ``x [rows, cols]`` of ``x_dtype`` under ``scheme``."""
-
-    rows: int
-    cols: int
-    x_dtype: torch.dtype
-    scheme: QuantScheme
-    x: TensorSpec
-    k: int = 0  #: a power of two for the equivariance contract
-
-    def build(self) -> torch.Tensor:
-        return make_tensor(self.x, self.rows, self.cols, self.x_dtype, self.scheme)
-
-    def case(self) -> Case:
-        recipe = Recipe("quantize", self.scheme, self.scheme)
-        return Case(self.rows, self.rows, self.cols, recipe, self.x_dtype, op="quantize")
-
-    def __repr__(self) -> str:
-        return (f"quantize x[{self.rows}, {self.cols}] {_dname(self.x_dtype)} = {self.x!r} "
-                f"under {_short(self.scheme)}" + (f", k={self.k}" if self.k else ""))
-
-
-@dataclass(frozen=True)
-class GemmProblem:
-    """``scaled_mm(a [M, K], b [N, K], bias)`` on operands drawn by bit pattern."""
-
-    M: int
-    N: int
-    K: int
-    recipe: Recipe
-    out_dtype: torch.dtype
-    a: CodeSpec
-    b: CodeSpec
-    has_bias: bool = False
-    bias_seed: int = 0
-    k: int = 0
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def build(self) -> tuple[Quantized, Quantized, torch.Tensor | None]:
-        a = make_codes(self.a, self.M, self.K, self.recipe.activation)
-        b = make_codes(self.b, self.N, self.K, self.recipe.weight)
-        bias = None
-        if self.has_bias:
-            g = torch.Generator().manual_seed(self.bias_seed)
-            bias = torch.randn(self.N, generator=g).to(self.out_dtype)
-        return a, b, bias
-
-    def case(self) -> Case:
-        return Case(self.M, self.N, self.K, self.recipe, torch.bfloat16, self.out_dtype, has_bias=self.has_bias,
-                    op="scaled_mm")
-
-    def __repr__(self) -> str:
-        return (f"scaled_mm M={self.M} N={self.N} K={self.K} {self.recipe.short_str()} "
-                f"out={_dname(self.out_dtype)} a={self.a!r} b={self.b!r}"
-                + (f" bias(seed={self.bias_seed})" if self.has_bias else "") + (f", k={self.k}" if self.k else ""))
-
-
-@dataclass(frozen=True)
-class LinearProblem:
-    """``linear(x [M, K], w [N, K], bias)`` end to end under ``recipe``."""
-
-    M: int
-    N: int
-    K: int
-    recipe: Recipe
-    x_dtype: torch.dtype
-    out_dtype: torch.dtype
-    x: TensorSpec
-    w: TensorSpec
-    has_bias: bool = False
-
-    def build(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        x = make_tensor(self.x, self.M, self.K, self.x_dtype, self.recipe.activation)
-        w = make_tensor(self.w, self.N, self.K, self.x_dtype, self.recipe.weight)
-        bias = None
-        if self.has_bias:
-            g = torch.Generator().manual_seed(self.w.seed + 1)
-            bias = torch.randn(self.N, generator=g).to(self.x_dtype)
-        return x, w, bias
-
-    def case(self) -> Case:
-        return Case(self.M, self.N, self.K, self.recipe, self.x_dtype, self.out_dtype, has_bias=self.has_bias)
-
-    def __repr__(self) -> str:
-        return (f"linear M={self.M} N={self.N} K={self.K} {self.recipe.short_str()} x:{_dname(self.x_dtype)} "
-                f"out={_dname(self.out_dtype)} x={self.x!r} w={self.w!r}" + (" +bias" if self.has_bias else ""))
-
-
-def _tensor_specs(dtype: torch.dtype, families=VALUE_FAMILIES):
     lo, hi = _exp_range(dtype)
     return st.builds(TensorSpec, st.sampled_from(families),
                      st.one_of(st.just(0), st.integers(-12, 8), st.integers(lo, hi)),
-                     st.integers(0, 2**16))
+                     st.integers(0, 2**16), _places(p))
 
 
+@functools.cache
 def _seeds():
     return st.integers(0, 2**16)
 
 
-def _k_cap(p: Profile, *rows: int) -> int:
-    """Largest K that keeps every [rows, K] operand within the profile's element budget."""
-    return max(1, min(p.max_k, p.max_elems // max(rows)))
+@st.composite
+def _code_pair(draw, p: Profile, out: torch.dtype, recipe: Recipe) -> tuple[CodeSpec, CodeSpec]:
+    """Operand descriptions: independent families, or a spike in the same K column of both, or a
+    swamp pair whose small products sit ``SWAMP_BITS`` below the large one."""
+    e_hi = -6 if out == torch.float16 else 0  # fp16 outputs need smaller products
+    kind = draw(_I(0, 3))
+    if kind == 2:
+        place = draw(_places(p))
+        pow2 = draw(st.booleans())
+        exp = _I(-20, e_hi)
+        return (CodeSpec("spike", draw(_seeds()), draw(exp), pow2, place),
+                CodeSpec("spike", draw(_seeds()), draw(exp), pow2, place))
+    t = draw(_S(SWAMP_BITS))
+    if kind == 3 and swamp_ok(recipe.activation, (t + 1) // 2) and swamp_ok(recipe.weight, t // 2):
+        e = draw(_I(-16, e_hi - 10))  # a swamp's large product is 2**16..2**30 in codes
+        return CodeSpec("swamp", 0, e, True, bits=(t + 1) // 2), CodeSpec("swamp", 1, e, True, bits=t // 2)
+    code = _codes(e_hi)
+    return draw(code), draw(code)
+
+
+@functools.cache
+def _codes(e_hi: int) -> st.SearchStrategy[CodeSpec]:
+    families = tuple(f for f in CODE_FAMILIES if f not in ("spike", "swamp"))  # those two come in pairs
+    return st.builds(CodeSpec, st.sampled_from(families), _seeds(), st.integers(-20, e_hi), st.booleans(),
+                     st.just(""), st.just(0), st.booleans())
+
+
+# --------------------------------------------------------------------------------------------
+# problems
 
 
 @st.composite
 def quantize_problems(draw, profile: Profile | str | None = "ci", families=VALUE_FAMILIES,
-                      with_k: bool = False) -> QuantizeProblem:
-    """A quantize problem: shape, input dtype, a scheme (preset or random), a value family."""
+                      with_k: bool = False, scope: Scope | None = None) -> QuantizeProblem:
+    """A quantize problem: a shape regime, input dtype, a scheme (preset, random, or one of the
+    scope's), a value family with its placement, a static scale kind."""
     p = get_profile(profile)
-    scheme = draw(schemes(p.tiny_blocks))
-    dtype = draw(st.sampled_from(INPUT_DTYPES))
-    k = draw(st.integers(-8, 8).filter(bool)) if with_k else 0
-    rows = draw(sizes(p.max_mn))
-    cols = draw(sizes(_k_cap(p, rows)))
-    return QuantizeProblem(rows, cols, dtype, scheme, draw(_tensor_specs(dtype, families)), k)
+    scheme = _scheme_from(draw, p, scope)
+    dtype = draw(_S(INPUT_DTYPES))
+    k = draw(_K_POW) if with_k else 0
+    rows, cols = draw(_shape(p, 1))
+    return QuantizeProblem(rows, cols, dtype, scheme, draw(_tensor_specs(p, dtype, families)), k,
+                           draw(_S(STATIC_KINDS)))
 
 
 @st.composite
 def gemm_problems(draw, profile: Profile | str | None = "ci", aligned: bool = False, with_k: bool = False,
-                  bias: bool | None = None) -> GemmProblem:
+                  bias: bool | None = None, scope: Scope | None = None) -> GemmProblem:
     """A scaled_mm problem with codes drawn by bit pattern (``aligned``: M, N, K multiples of 16)."""
     p = get_profile(profile)
-    recipe = draw(recipes(p.tiny_blocks))
-    out = draw(st.sampled_from(OUT_DTYPES))
-    # Scale exponents centred on a realistic amax/qmax; fp16 outputs need smaller products.
-    e_hi = -6 if out == torch.float16 else 0
-    code = st.builds(CodeSpec, st.sampled_from(CODE_FAMILIES), _seeds(), st.integers(-20, e_hi), st.booleans())
+    recipe = _recipe_from(draw, p, scope)
+    out = draw(_S(OUT_DTYPES))
+    a, b = draw(_code_pair(p, out, recipe))
     has_bias = draw(st.booleans()) if bias is None else bias
-    k = draw(st.integers(-8, 8).filter(bool)) if with_k else 0
-    M, N = draw(sizes(p.max_mn, aligned)), draw(sizes(p.max_mn, aligned))
-    K = draw(sizes(_k_cap(p, M, N), aligned))
-    return GemmProblem(M, N, K, recipe, out, draw(code), draw(code), has_bias, draw(_seeds()), k)
+    k = draw(_K_POW) if with_k else 0
+    M, N, K = draw(_shape(p, 2, aligned))
+    return GemmProblem(M, N, K, recipe, out, a, b, has_bias, draw(_seeds()), k, bias_mode=draw(_S(BIAS_MODES)))
 
 
 @st.composite
-def linear_problems(draw, profile: Profile | str | None = "ci", aligned: bool = False) -> LinearProblem:
-    """An end-to-end linear problem: float x and w from the value families, a recipe, dtypes."""
+def linear_problems(draw, profile: Profile | str | None = "ci", aligned: bool = False,
+                    scope: Scope | None = None) -> LinearProblem:
+    """An end-to-end linear problem: float x and w from the value families, a recipe (weights
+    always dynamic: they are quantized at load time), dtypes, a bias that may cancel row 0."""
     p = get_profile(profile)
-    recipe = draw(recipes(p.tiny_blocks))
-    dtype = draw(st.sampled_from(INPUT_DTYPES))
-    out = draw(st.sampled_from((dtype, torch.float32)))
-    M, N = draw(sizes(p.max_mn, aligned)), draw(sizes(p.max_mn, aligned))
-    K = draw(sizes(_k_cap(p, M, N), aligned))
-    return LinearProblem(M, N, K, recipe, dtype, out, draw(_tensor_specs(dtype)), draw(_tensor_specs(dtype)),
-                         draw(st.booleans()))
+    recipe = _recipe_from(draw, p, scope)
+    if not recipe.weight.dynamic:
+        recipe = Recipe(recipe.name, recipe.weight.with_(dynamic=True), recipe.activation)
+    dtype = draw(_S(INPUT_DTYPES))
+    out = draw(_S((dtype, torch.float32)))
+    M, N, K = draw(_shape(p, 2, aligned))
+    return LinearProblem(M, N, K, recipe, dtype, out, draw(_tensor_specs(p, dtype)), draw(_tensor_specs(p, dtype)),
+                         draw(st.booleans()), draw(_S(BIAS_MODES)), draw(_S(STATIC_KINDS)))

@@ -1,14 +1,17 @@
-"""Write docs/mutants.md: how fast the conformance suite rejects each mutant, with the minimal
-counterexample, next to the detection rates of the peers' tolerance checks on the same mutants.
+"""Write docs/mutants.md: how the conformance suite rejects each mutant (which contract, after how
+many examples, in how many seconds), that it accepts every correct variant, how close each
+accumulation class comes to its bound, and the peers' tolerance checks on the same backends.
 
-    cd /work/main && python -m tests.mutants.make_report [--seeds 5] [--out docs/mutants.md]
+    python -m tests.mutants.make_report [--seeds 3] [--trials 24] [--out docs/mutants.md]
 
-Ours: ``fp8ref.conformance.check(mutant, "ci", seed=s, fail_fast=True)`` for each seed (first
-seed with shrinking, for the minimal counterexample and the time to detection including
-shrinking; the other seeds without). Peers: each peer's rtol/atol (fp8ref/conformance/peers.py)
-applied end to end -- the mutant's linear (quantize + scaled_mm, or its fused hook) on randn
-inputs of peer-typical shapes, against the fp32 matmul of the reference-dequantized operands -- over
-``--trials`` problems; the rate is the fraction of problems on which the peer's check fails.
+Ours: ``fp8ref.conformance.check(mutant, "ci", seed=s, fail_fast=True)`` for each seed (seed 0 with
+shrinking, for the counterexample and the time to detection; the others without). *Search alone*
+repeats seed 0 with the sweep off (``sweep=False``). Peers: each peer's rtol/atol
+(fp8ref/conformance/peers.py) applied end to end -- the mutant's linear (quantize + scaled_mm, or
+its fused hook) on randn inputs of peer-typical shapes, against the fp32 matmul of the
+reference-dequantized operands -- over ``--trials`` problems; the rate is the fraction of problems
+on which the peer's check fails. Times are CPU seconds of this process (``time.process_time``),
+less sensitive than wall time to the other jobs of a shared machine.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import time
 
 import torch
 
+from fp8ref._machine import cpu_kind, cpu_model
 from fp8ref.conformance import check, get_profile
 from fp8ref.conformance.peers import PEER_CHECKS, peer_accepts
 from fp8ref.spec import quant
 from fp8ref.spec.schemes import RECIPES
 
+from .base import CLASSES
 from .catalogue import CORRECT, MUTANTS
+from .ladder import LADDER, swamp_ratio
 
 _SHAPES = [(1, 16, 16), (17, 64, 128), (33, 16, 144), (64, 64, 272), (5, 32, 160), (128, 16, 256)]
 
@@ -54,88 +60,109 @@ def peer_rates(backend, trials: int) -> dict[str, float]:
     return {k: v / trials for k, v in fails.items()}
 
 
+def _timed(fn):
+    t0 = time.process_time()
+    out = fn()
+    return out, time.process_time() - t0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=24)
     ap.add_argument("--out", default="docs/mutants.md")
     args = ap.parse_args(argv)
     ci = get_profile("ci")
     fast = ci.with_(shrink=False)
     rows, correct_rows = [], []
-    t_all = time.perf_counter()
+    t_all = time.process_time()
     for cls in MUTANTS:
-        t0 = time.perf_counter()
-        first = check(cls(), ci, seed=0, fail_fast=True)
-        dt = time.perf_counter() - t0
+        first, dt = _timed(lambda c=cls: check(c(), ci, seed=0, fail_fast=True))
         detected = [not first.passed] + [not check(cls(), fast, seed=s, fail_fast=True).passed
                                          for s in range(1, args.seeds)]
-        t0 = time.perf_counter()
-        search = check(cls(), ci, seed=0, fail_fast=True, pinned=False)
-        dt_search = time.perf_counter() - t0
-        found = [not search.passed] + [not check(cls(), fast, seed=s, fail_fast=True, pinned=False).passed
-                                       for s in range(1, args.seeds)]
+        search, dt_search = _timed(lambda c=cls: check(c(), ci, seed=0, fail_fast=True, sweep=False))
         f = first.failures[0] if first.failures else None
         fs = search.failures[0] if search.failures else None
-        rows.append((cls, dt, sum(detected) / len(detected), f, peer_rates(cls(), args.trials),
-                     sum(found) / len(found), dt_search, fs))
-        print(cls.name, f"{dt:.1f}s", sum(detected), sum(found), flush=True)
+        rows.append((cls, dt, sum(detected) / len(detected), f, first.examples_to_detection,
+                     peer_rates(cls(), args.trials), not search.passed, dt_search, fs))
+        print(cls.name, f"{dt:.1f}s", sum(detected), not search.passed, flush=True)
     for cls in CORRECT:
-        t0 = time.perf_counter()
-        accepted = [check(cls(), ci, seed=s).passed for s in range(args.seeds)]
-        correct_rows.append((cls, time.perf_counter() - t0, sum(accepted) / len(accepted),
+        reports, dt = _timed(lambda c=cls: [check(c(), fast, seed=s) for s in range(args.seeds)])
+        worst = max((r.result("scaled_mm.bound").worst_ratio or 0.0) for r in reports)
+        correct_rows.append((cls, dt, sum(r.passed for r in reports) / len(reports), worst,
                              peer_rates(cls(), args.trials)))
-        print(cls.name, sum(accepted), flush=True)
-    total = time.perf_counter() - t_all
+        print(cls.name, sum(r.passed for r in reports), flush=True)
+    ladder = [(c, b, swamp_ratio(c(), b), w, wb, swamp_ratio(w(), wb) if w is not None else None)
+              for c, b, w, wb in LADDER]
+    total = time.process_time() - t_all
 
     peers = " | ".join(f"{p.name} (rtol {p.rtol:g}, atol {p.atol:g})" for p in PEER_CHECKS)
     out = [
         "# The conformance suite against a catalogue of real bugs",
         "",
         "Generated by `python -m tests.mutants.make_report "
-        f"--seeds {args.seeds} --trials {args.trials}` (fp8ref/conformance, tests/mutants/catalogue.py) on "
-        f"{platform.node()} ({platform.machine()}, torch {torch.__version__}), a shared 2-core machine: "
-        f"times are noisy. Total {total:.0f} s.",
+        f"--seeds {args.seeds} --trials {args.trials}` (fp8ref/conformance, tests/mutants/) on {cpu_model()} "
+        f"({cpu_kind()}, {platform.machine()}, torch {torch.__version__}), a shared 2-core machine; times are CPU "
+        f"seconds of the process. Total {total:.0f} s.",
         "",
-        "Each mutant is the correct fp32 base backend with one real bug put back. **Ours**: "
-        "`check(mutant, \"ci\", seed=0, fail_fast=True)`; *time to detection* is the wall time until the "
-        "first failing contract was found and shrunk; *detected* is the fraction of seeds 0.."
-        f"{args.seeds - 1} on which the ci profile rejects the mutant. **Peers**: each peer's tolerance "
-        "(`fp8ref/conformance/peers.py`) applied end to end to the mutant's `linear` (quantize + "
-        "scaled_mm, or its fused hook) on "
-        f"{args.trials} randn problems of peer-typical shapes (fp16 and bf16 inputs, 3 recipes), against "
-        "the fp32 matmul of the reference-dequantized operands; the rate is the fraction of problems the "
-        "peer's check fails. *Search alone* repeats our run with the contracts' pinned examples switched off "
-        "(`check(..., pinned=False)`): what Hypothesis finds without being pointed at the bug class. "
-        "Reproduction commands need the mutant registered under its name (`fp8ref.register_backend`).",
+        "Each mutant is the correct fp32 base backend (`tests/mutants/base.py`) with one real bug put back "
+        "(`bugs.py`). **Ours**: `check(mutant, \"ci\", seed=0, fail_fast=True)`: the first contract that failed, "
+        "the examples run until then (over all contracts, in table order, the failing one included) and the CPU "
+        f"seconds; *detected* is the fraction of seeds 0..{args.seeds - 1} on which the ci profile rejects the "
+        "mutant (`tests/mutants/test_mutants.py` asserts 100 % on seeds 0, 1, 2). *Search alone* repeats seed 0 "
+        "with the corner sweep off (`check(..., sweep=False)`): what Hypothesis finds without being pointed at "
+        "the bug class. **Peers**: each peer's tolerance (`fp8ref/conformance/peers.py`) applied end to end to "
+        f"the mutant's `linear` on {args.trials} randn problems of peer-typical shapes (fp16 and bf16 inputs, "
+        "3 recipes), against the fp32 matmul of the reference-dequantized operands; the rate is the fraction of "
+        "problems the peer's check fails.",
         "",
-        f"| mutant | modelled on | ours: detected | time to detection (s) | first failing contract | "
-        f"search alone: detected | time (s) | {peers} |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(PEER_CHECKS),
+        "## Per class: the mutant, the contract that caught it, examples needed, seconds",
+        "",
+        "| class | mutant | modelled on | caught by | examples | CPU s | detected | search alone |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for cls, dt, rate, f, pr, rate_s, dt_s, _fs in rows:
-        out.append(f"| `{cls.name}` | {cls.upstream} | {rate:.0%} | {dt:.1f} | {f.contract if f else '-'} | "
-                   f"{rate_s:.0%} | {dt_s:.1f} | " + " | ".join(f"{pr[p.name]:.0%}" for p in PEER_CHECKS) + " |")
+    for klass in CLASSES:
+        for cls, dt, rate, f, n, _pr, found, _ds, _fs in rows:
+            if cls.klass == klass:
+                out.append(f"| {klass} | `{cls.name}` | {cls.upstream} | {f.contract if f else '**not detected**'} | "
+                           f"{n if n is not None else '-'} | {dt:.1f} | {rate:.0%} | {'yes' if found else 'no'} |")
+    out += ["", "## Peers' tolerances on the same mutants (fraction of problems rejected)", "",
+            f"| mutant | {peers} |", "|---|" + "---|" * len(PEER_CHECKS)]
+    for cls, *_x, pr, _f2, _d2, _fs in rows:
+        out.append(f"| `{cls.name}` | " + " | ".join(f"{pr[p.name]:.0%}" for p in PEER_CHECKS) + " |")
     out += ["", "## Correct but different: must be accepted", "",
-            f"| backend | what differs | ours: accepted | time for {args.seeds} ci runs (s) | "
-            + " | ".join(f"{p.name} false alarms" for p in PEER_CHECKS) + " |",
-            "|---|---|---|---|" + "---|" * len(PEER_CHECKS)]
-    for cls, dt, rate, pr in correct_rows:
-        out.append(f"| `{cls.name}` | {cls.bug} | {rate:.0%} | {dt:.1f} | "
-                   + " | ".join(f"{pr[p.name]:.0%}" for p in PEER_CHECKS) + " |")
+            f"| backend | declares | what differs | ours: accepted | worst err/bound (scaled_mm.bound) | "
+            f"CPU s for {args.seeds} ci runs | " + " | ".join(f"{p.name} false alarms" for p in PEER_CHECKS) + " |",
+            "|---|---|---|---|---|---|" + "---|" * len(PEER_CHECKS)]
+    for cls, dt, rate, worst, pr in correct_rows:
+        decl = f"{cls.accumulation.name}, {cls.output_roundings} rounding(s)"
+        out.append(f"| `{cls.name}` | {decl} | {cls.bug} | {rate:.0%} | {worst:.3g} | {dt:.1f} | "
+                   + " | ".join(f"{pr[p.name]:.0%} " for p in PEER_CHECKS) + " |")
+    out += ["", "## Precision of declarations: every accumulation class is tight", "",
+            "On the sweep's swamped dot products (`[L, d, ..., d]`, products d*d = L*L*2**-t, fp32 output), a "
+            "correct implementation of each class reaches at least half of its bound at the widths t where its "
+            "accumulator drops the small products; the next weaker implementation, declaring the same class, is "
+            "outside the bound (`test_each_accumulation_class_is_tight`).", "",
+            "| class (correct implementation) | widths t | worst err/bound | next weaker, declaring it | widths t | "
+            "worst err/bound |", "|---|---|---|---|---|---|"]
+    for c, b, r, w, wb, rw in ladder:
+        weak = f"`{w.name}`" if w is not None else "-"
+        rws = "-" if rw is None else ("violation" if rw == float("inf") else f"{rw:.3g}")
+        out.append(f"| {c.accumulation.name} (`{c.name}`) | {', '.join(map(str, b))} | {r:.3g} | {weak} | "
+                   f"{', '.join(map(str, wb)) or '-'} | {rws} |")
     out += ["", "## Counterexamples (seed 0, ci profile)", "",
-            "*Pinned* is the first failure of the default run, which starts with each contract's pinned "
-            "examples (those are run as written, not shrunk); *search* is the first failure with the pinned "
-            "examples off, shrunk by Hypothesis to a minimal example.", ""]
-    for cls, _dt, _rate, f, _pr, _rs, _ds, fs in rows:
-        out += [f"### `{cls.name}`: {cls.bug}", "", f"- upstream: {cls.upstream}"]
-        for label, r in (("pinned", f), ("search", fs)):
+            "*First* is the first failure of the default run (pinned examples, then the corner sweep, then the "
+            "search; sweep items are reported as generated, search failures shrunk); *search* is the first failure "
+            "with the sweep off, shrunk by Hypothesis.", ""]
+    for cls, _dt, _rate, f, _n, _pr, _found, _ds, fs in rows:
+        out += [f"### `{cls.name}` ({cls.klass}): {cls.bug}", "", f"- upstream: {cls.upstream}"]
+        for label, r in (("first", f), ("search", fs)):
             if r is None:
                 out.append(f"- {label}: not detected")
                 continue
             out += [f"- {label}: `{r.contract}` on `{r.counterexample}`", f"  - {r.message}",
-                    f"  - reproduce: `{r.reproduce.split('  #')[0]}`"
-                    + ("" if label == "pinned" else " (pinned examples off)")]
+                    f"  - reproduce: `{(r.reproduce or '').split('  # or in a test')[0]}`"
+                    + ("" if label == "first" else " with sweep=False")]
         out.append("")
     with open(args.out, "w") as fh:
         fh.write("\n".join(out))
