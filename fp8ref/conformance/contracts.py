@@ -135,12 +135,14 @@ def reference_threads():
     outer = _BACKEND_THREADS[0]
     n = torch.get_num_threads() if outer is None else outer
     _BACKEND_THREADS[0] = n
-    torch.set_num_threads(1)
+    if n != 1:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
         _BACKEND_THREADS[0] = outer
-        torch.set_num_threads(n)
+        if n != 1:
+            torch.set_num_threads(n)
 
 
 @contextmanager
@@ -340,7 +342,7 @@ def check_quantize_exact_on_pow2_scale(backend: Backend, p: fst.QuantizeProblem)
     bad = ~((got == want) | (torch.isnan(got) & torch.isnan(want)))
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        v = x[idx].item() / float(expand_one(q, idx))
+        v = x[idx].item() / float(_scale_at(q, idx))
         raise ContractViolation(f"{int(bad.sum())} codes differ from RNE(clamp(x / s)) with a power-of-two scale "
                                 f"(x / s exact); first at {idx}: x / s = {v!r}, got code {got[idx].item()!r} (byte "
                                 f"{int(q.data.view(torch.uint8)[idx]):#04x}), round-to-nearest-even gives "
@@ -348,7 +350,7 @@ def check_quantize_exact_on_pow2_scale(backend: Backend, p: fst.QuantizeProblem)
     return 0.0
 
 
-def expand_one(q: Quantized, idx: tuple[int, int]) -> float:
+def _scale_at(q: Quantized, idx: tuple[int, int]) -> float:
     """The scale that applies to element ``idx`` of ``q``."""
     r, c = q.scheme.block_shape(*q.data.shape)
     return float(q.scale[idx[0] // r, idx[1] // c])
@@ -592,11 +594,14 @@ def _registered(backend: Backend) -> bool:
 
 
 def _linear_takes_scale(backend: Backend) -> bool:
+    """Whether ``backend.linear`` accepts ``scale=`` (hooks written before static scales do not)."""
     try:
-        params = inspect.signature(backend.linear).parameters
-    except (TypeError, ValueError):
-        return True
-    return "scale" in params or any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
+        inspect.signature(backend.linear).bind_partial(scale=None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect: let the call decide
+        pass
+    return True
 
 
 def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scale):
@@ -790,6 +795,9 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract("linear.bound", "linear", "bounded",
              "quantize x and w, scaled_mm: within the end-to-end bound of the unquantized float64 linear",
              "linear_error_bound", _lp, check_linear_bound, _L_EX),
+    Contract("linear.matches_two_calls", "linear", "exact",
+             "the fused Backend.linear hook returns scaled_mm(quantize(x)) bit for bit",
+             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX),
     Contract("quantize.exact_on_pow2_scale", _Q, "exact",
              "where the scale is a power of two (x/s exact), the codes are RNE(clamp(x/s)): ties to even, "
              "subnormals kept, saturation at qmax, never -0 in a format without it", "bit-exact values",
@@ -799,9 +807,6 @@ CONTRACTS: tuple[Contract, ...] = (
              "bit-exact", _gp(), check_scaled_mm_all_written, _G_EX),
     Contract("scaled_mm.finite", _G, "exact", "no NaN/Inf from finite operands whose exact result fits out_dtype",
              "finite", _gp(), check_scaled_mm_finite, _G_EX),
-    Contract("linear.matches_two_calls", "linear", "exact",
-             "the fused Backend.linear hook returns scaled_mm(quantize(x)) bit for bit",
-             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX),
     Contract("quantize.lossless_on_grid", _Q, "exact",
              "inputs already on the FP8 grid (scale 2**e) quantize losslessly, scale equal to the reference",
              "bit-exact", _qp(families=("on_grid", "qmax", "ties")), check_quantize_lossless, _Q_GRID_EX, _on_grid),

@@ -171,6 +171,27 @@ def _fits(p: Profile, *operands: tuple[int, int]) -> bool:
     return all(r * c <= p.max_elems and r <= p.max_rows for r, c in operands)
 
 
+def _small_pair(p: Profile, i: int, K: int) -> tuple[int, int] | None:
+    """(M, N), small, for a K-boundary item: the first of the rotation that fits the budget."""
+    return next(((m, n) for m, n in _rot(_SMALL_MN, i) if _fits(p, (m, K), (n, K))), None)
+
+
+def _small_other(p: Profile, i: int, R: int) -> tuple[int, int] | None:
+    """(other rows, K), small, for an M- or N-boundary item of R rows."""
+    return next(((n, k) for n, k in _rot(_SMALL_NK, i) if _fits(p, (R, k), (n, k))), None)
+
+
+def _row_boundaries(p: Profile) -> Iterable[tuple[int, int, int, int, int]]:
+    """``(axis, i, M, N, K)``: every boundary row count on M (axis 0) and on N (axis 1), the other
+    operand's rows and K small."""
+    for axis in (0, 1):
+        for i, R in enumerate(boundary_sizes(p, "rows")):
+            other = _small_other(p, i, R)
+            if other is not None:
+                n, k = other
+                yield (axis, i, R, n, k) if axis == 0 else (axis, i, n, R, k)
+
+
 def _pick(backend: Backend | None, candidates: Iterable) -> object | None:
     """The first candidate the backend takes, else the first one (its decline is then recorded)."""
     cands = list(candidates)
@@ -277,7 +298,7 @@ def _gemm_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[Gem
     # fp32 output, so that the output rounding hides nothing
     top = max(p.thresholds) + 1
     for i, K in enumerate(boundary_sizes(p, "cols")):
-        mn = next(((m, n) for m, n in _rot(_SMALL_MN, i) if _fits(p, (m, K), (n, K))), None)
+        mn = _small_pair(p, i, K)
         if mn is None:
             continue
         fam = ("spike", "positive", "bits")[i % 3]
@@ -288,15 +309,9 @@ def _gemm_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[Gem
         outs = (_f32, _bf16, _f16) if K > top else OUT_DTYPES
         yield cands(mn[0], mn[1], K, a, b, main, i, outs=outs)
     # M and N boundaries (tall-thin activations, tall weights), every row its own scale
-    for axis in (0, 1):
-        for i, R in enumerate(boundary_sizes(p, "rows")):
-            other = next(((n, k) for n, k in _rot(_SMALL_NK, i) if _fits(p, (R, k), (n, k))), None)
-            if other is None:
-                continue
-            n, k = other
-            a, b = codes(100 * (axis + 1) + i, distinct=True)
-            M, N = (R, n) if axis == 0 else (n, R)
-            yield cands(M, N, k, a, b, main, i + axis)
+    for axis, i, M, N, k in _row_boundaries(p):
+        a, b = codes(100 * (axis + 1) + i, distinct=True)
+        yield cands(M, N, k, a, b, main, i + axis)
     # tile edges along K: the dominant product just past a tile of t
     for i, t in enumerate(p.thresholds):
         K = 2 * t + 1
@@ -357,18 +372,12 @@ def _linear_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[L
 
     w_spec = TensorSpec("normal", -3, 1)
     for i, K in enumerate(boundary_sizes(p, "cols")):
-        mn = next(((m, n) for m, n in _rot(_SMALL_MN, i) if _fits(p, (m, K), (n, K))), None)
+        mn = _small_pair(p, i, K)
         if mn is not None:
             yield cands(mn[0], mn[1], K, TensorSpec("spike", 0, 800 + i, "last"), w_spec, main, i)
-    for axis in (0, 1):
-        for i, R in enumerate(boundary_sizes(p, "rows")):
-            other = next(((n, k) for n, k in _rot(_SMALL_NK, i) if _fits(p, (R, k), (n, k))), None)
-            if other is None:
-                continue
-            n, k = other
-            M, N = (R, n) if axis == 0 else (n, R)
-            x = TensorSpec("spike", 0, 900 + 100 * axis + i, ("last", "first")[i % 2])
-            yield cands(M, N, k, x, w_spec, main, i + axis)
+    for axis, i, M, N, k in _row_boundaries(p):
+        x = TensorSpec("spike", 0, 900 + 100 * axis + i, ("last", "first")[i % 2])
+        yield cands(M, N, k, x, w_spec, main, i + axis)
     statics = [r for r in main if not r.activation.dynamic]
     for i, kind in enumerate(STATIC_KINDS):
         for j, r in enumerate(statics[:2]):

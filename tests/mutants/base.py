@@ -31,6 +31,13 @@ def segment_terms(a: Quantized, b: Quantized):
                gemm.scale_column(a, k0).to(torch.float32), gemm.scale_column(b, k0).to(torch.float32))
 
 
+def finish(y: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+    """The epilogue: ``y`` plus the bias in ``y``'s dtype, one rounding to ``out_dtype``."""
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(out_dtype)
+
+
 def fp32_mm(a: Quantized, b: Quantized, bias, out_dtype, seg_sum=None, scale=None) -> torch.Tensor:
     """The correct fp32 pipeline, with hooks for the mutants: ``seg_sum(A, B) -> S`` and
     ``scale(S, sa, sb) -> scaled S``."""
@@ -39,9 +46,7 @@ def fp32_mm(a: Quantized, b: Quantized, bias, out_dtype, seg_sum=None, scale=Non
     for A, B, sa, sb in segment_terms(a, b):
         S = A @ B.T if seg_sum is None else seg_sum(A, B)
         y += S * sa[:, None] * sb[None, :] if scale is None else scale(S, sa, sb)
-    if bias is not None:
-        y += bias.to(torch.float32)
-    return y.to(out_dtype)
+    return finish(y, bias, out_dtype)
 
 
 def products(A: torch.Tensor, B: torch.Tensor) -> np.ndarray:
@@ -110,6 +115,9 @@ class Fp32Base(Backend):
     upstream = ""
     klass = ""
     bug = "the reference quantizer and an fp32 scaled GEMM (the base every other variant changes)"
+    #: The ops a correct variant changes, which the self-test certifies it for (a variant that keeps
+    #: the base's quantizer says ``GEMM_OPS``; the base is certified for everything).
+    changes: tuple[str, ...] = ("quantize", "scaled_mm", "linear")
 
     def quantize(self, x, scheme, scale=None):
         return reference_quantize(x, scheme, scale)
@@ -118,5 +126,8 @@ class Fp32Base(Backend):
         return fp32_mm(a, b, bias, out_dtype)
 
 
-__all__ = ["CLASSES", "Fp32Base", "fp32_mm", "segment_terms", "sequential_sum", "truncating_sum", "products",
-           "bf16_round", "reference_quantize", "static_divisor", "ml_dtypes"]
+#: What a variant that changes only the GEMM is certified for (its quantizer is the base's).
+GEMM_OPS = ("scaled_mm", "linear")
+
+__all__ = ["CLASSES", "GEMM_OPS", "Fp32Base", "finish", "fp32_mm", "segment_terms", "sequential_sum",
+           "truncating_sum", "products", "bf16_round", "reference_quantize", "static_divisor", "ml_dtypes"]

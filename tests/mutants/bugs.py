@@ -9,7 +9,8 @@ from fp8ref.spec.bounds import Accumulation
 from fp8ref.spec.quant import Quantized
 from fp8ref.spec.schemes import Granularity
 
-from .base import Fp32Base, bf16_round, fp32_mm, reference_quantize, static_divisor, truncating_sum
+from .base import Fp32Base, bf16_round, finish, fp32_mm, reference_quantize, static_divisor, truncating_sum
+from .variants import TwoRoundings
 
 # --------------------------------------------------------------------------------------------
 # the original catalogue
@@ -184,9 +185,7 @@ class BiasTwice(Fp32Base):
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
         y = fp32_mm(a, b, bias, torch.float32)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(out_dtype)
+        return finish(y, bias, out_dtype)
 
 
 class FusedLinearBiasTwice(Fp32Base):
@@ -198,9 +197,7 @@ class FusedLinearBiasTwice(Fp32Base):
 
     def linear(self, x, w, bias=None, out_dtype=torch.bfloat16, scheme=None, scale=None):
         y = super().linear(x, w, bias, torch.float32, scheme, scale)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(out_dtype)
+        return finish(y, bias, out_dtype)
 
 
 class Fp16CodeProducts(Fp32Base):
@@ -254,25 +251,20 @@ class TinyScaleReciprocal(Fp32Base):
 # thresholds and tails
 
 
-def _quantize_with_amax(x, scheme, amax_of_block) -> Quantized:
-    """Dynamic quantization with the spec's arithmetic but a (mutated) per-block amax function
-    ``amax_of_block(block_tensor_fp32_abs) -> float``."""
-    rows, cols = x.shape
-    r, c = scheme.block_shape(rows, cols)
-    srows, scols = scheme.scale_shape(rows, cols)
-    xa = x.to(torch.float32).abs()
-    amax = torch.zeros(srows, scols, dtype=torch.float32)
-    for i in range(srows):
-        for j in range(scols):
-            amax[i, j] = amax_of_block(xa[i * r:(i + 1) * r, j * c:(j + 1) * c])
-    s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    if scheme.pow2_scale:
-        m, e = torch.frexp(s)
-        s = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
-    info = torch.finfo(scheme.scale_dtype)
-    s = torch.clamp(s, min=info.tiny).to(scheme.scale_dtype)
+def _quantize_with_amax_of(x, scheme, seen: torch.Tensor) -> Quantized:
+    """The spec's dynamic quantization, except that each block's amax is taken over the elements
+    where ``seen`` is True only (what a reduction that skips elements computes)."""
+    s = quant.compute_scale(torch.where(seen, x, torch.zeros_like(x)), scheme)
     return Quantized(quant.quantize(x, scheme.with_(dynamic=False), s).data, s, scheme)
+
+
+def _block_cols(x, scheme) -> torch.Tensor:
+    """For every element, its column index inside its scale block, and the block's width."""
+    rows, cols = x.shape
+    _, c = scheme.block_shape(rows, cols)
+    j = torch.arange(cols)
+    width = torch.clamp(cols - (j // c) * c, max=c)
+    return (j % c).expand(rows, cols), width.expand(rows, cols)
 
 
 class VectorTailAmax(Fp32Base):
@@ -285,11 +277,19 @@ class VectorTailAmax(Fp32Base):
     def quantize(self, x, scheme, scale=None):
         if scale is not None or x.shape[1] < 8 or scheme.granularity is Granularity.TENSOR:
             return reference_quantize(x, scheme, scale)
+        j, width = _block_cols(x, scheme)
+        vector_part = width // 8 * 8
+        return _quantize_with_amax_of(x, scheme, (j < vector_part) | (vector_part == 0))
 
-        def amax(blk):
-            w = blk.shape[1] // 8 * 8
-            return float(blk[:, :w].amax()) if w else float(blk.amax())
-        return _quantize_with_amax(x, scheme, amax)
+
+def _tail_rows(n: int, tile: int, to) -> torch.Tensor | None:
+    """Index of the scale each of ``n`` rows reads when the rows past the last full ``tile`` read
+    ``to(index, first_tail_row)`` instead of their own; None when there is no partial tile."""
+    full = n // tile * tile
+    if n <= tile or full == n:
+        return None
+    idx = torch.arange(n)
+    return torch.where(idx >= full, to(idx, full), idx)
 
 
 class NTailWeightScale(Fp32Base):
@@ -299,16 +299,10 @@ class NTailWeightScale(Fp32Base):
     bug = "output columns past the last full 16-column tile use the weight scale of the column 16 before"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
-        N = b.data.shape[0]
-        n_full = N // 16 * 16
-        if N <= 16 or n_full == N:
+        idx = _tail_rows(b.data.shape[0], 16, lambda i, full: i - 16)
+        if idx is None:
             return fp32_mm(a, b, bias, out_dtype)
-
-        def scale(S, sa, sb):
-            idx = torch.arange(N)
-            idx = torch.where(idx >= n_full, idx - 16, idx)
-            return S * sa[:, None] * sb[idx][None, :]
-        return fp32_mm(a, b, bias, out_dtype, scale=scale)
+        return fp32_mm(a, b, bias, out_dtype, scale=lambda S, sa, sb: S * sa[:, None] * sb[idx][None, :])
 
 
 class MTileActivationScale(Fp32Base):
@@ -318,16 +312,10 @@ class MTileActivationScale(Fp32Base):
     bug = "above M = 64, rows of the last partial 64-row tile all use the activation scale of the tile's first row"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
-        M = a.data.shape[0]
-        m_full = M // 64 * 64
-        if M <= 64 or m_full == M:
+        idx = _tail_rows(a.data.shape[0], 64, lambda i, full: torch.full_like(i, full))
+        if idx is None:
             return fp32_mm(a, b, bias, out_dtype)
-
-        def scale(S, sa, sb):
-            idx = torch.arange(M)
-            idx = torch.where(idx >= m_full, m_full, idx)
-            return S * sa[idx][:, None] * sb[None, :]
-        return fp32_mm(a, b, bias, out_dtype, scale=scale)
+        return fp32_mm(a, b, bias, out_dtype, scale=lambda S, sa, sb: S * sa[idx][:, None] * sb[None, :])
 
 
 class SplitKBf16Partials(Fp32Base):
@@ -351,50 +339,53 @@ class SplitKBf16Partials(Fp32Base):
 # static scales
 
 
-class StaticNoClamp(Fp32Base):
+class _StaticBug(Fp32Base):
+    """The reference on dynamic schemes; ``static_codes`` on static ones (the caller's scale is
+    returned as given)."""
+
+    def quantize(self, x, scheme, scale=None):
+        q = reference_quantize(x, scheme, scale)
+        if scale is None:
+            return q
+        return Quantized(self.static_codes(x, scheme, q.scale), q.scale, scheme)
+
+    def static_codes(self, x, scheme, stored) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class StaticNoClamp(_StaticBug):
     name = "mutant-static-no-clamp"
     upstream = "huggingface/transformers PR#42775 (static FP8: clamp before the cast); vllm PR#29867"
     klass = "static scales"
     bug = ("static scales: x / s is cast without a clamp; the cast gives NaN past the format's range and "
            "codes beyond a reduced qmax")
 
-    def quantize(self, x, scheme, scale=None):
-        if scale is None:
-            return reference_quantize(x, scheme)
-        stored = reference_quantize(x, scheme, scale).scale
+    def static_codes(self, x, scheme, stored):
         v = x.to(torch.float32) / static_divisor(x, stored, scheme)
         fmt = scheme.format
         over = v.abs() > quant.saturation_threshold(fmt, fmt.max)
-        return Quantized(torch.where(over, float("nan"), v).to(fmt.torch_dtype), stored, scheme)
+        return torch.where(over, float("nan"), v).to(fmt.torch_dtype)
 
 
-class StaticFirstScaleOnly(Fp32Base):
+class StaticFirstScaleOnly(_StaticBug):
     name = "mutant-static-first-scale-only"
     upstream = "vllm PR#20076 (static_scaled_fp8_quant silently used the first element of a scale array)"
     klass = "static scales"
     bug = "static per-token/group/block scales: every element is divided by the first scale"
 
-    def quantize(self, x, scheme, scale=None):
-        q = reference_quantize(x, scheme, scale)
-        if scale is None:
-            return q
-        first = q.scale.flatten()[:1].expand(q.scale.shape).contiguous()
-        data = quant.quantize(x, scheme, first).data
-        return Quantized(data, q.scale, scheme)
+    def static_codes(self, x, scheme, stored):
+        return quant.quantize(x, scheme, stored.flatten()[:1].expand(stored.shape).contiguous()).data
 
 
-class StaticScaleInverted(Fp32Base):
+class StaticScaleInverted(_StaticBug):
     name = "mutant-static-scale-inverted"
     upstream = "meta-pytorch/tritonbench PR#1145 (quantization scale direction); vllm PR#36297 (review)"
     klass = "static scales"
     bug = "a static (dequantization) scale is used as the quantization multiplier: x * s instead of x / s"
 
-    def quantize(self, x, scheme, scale=None):
-        q = reference_quantize(x, scheme, scale)
-        if scale is None:
-            return q
-        v = x.to(torch.float32) * static_divisor(x, q.scale, scheme)
-        return Quantized(quant.round_to_format(v, scheme.format, scheme.qmax), q.scale, scheme)
+    def static_codes(self, x, scheme, stored):
+        v = x.to(torch.float32) * static_divisor(x, stored, scheme)
+        return quant.round_to_format(v, scheme.format, scheme.qmax)
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,7 +401,7 @@ class TensorAmaxFirstRows(Fp32Base):
     def quantize(self, x, scheme, scale=None):
         if scale is not None or scheme.granularity is not Granularity.TENSOR or x.shape[0] <= 256:
             return reference_quantize(x, scheme, scale)
-        return _quantize_with_amax(x, scheme, lambda blk: float(blk[:256].amax()))
+        return _quantize_with_amax_of(x, scheme, (torch.arange(x.shape[0]) < 256).reshape(-1, 1).expand_as(x))
 
 
 class GroupAmaxSkipsLast(Fp32Base):
@@ -422,11 +413,8 @@ class GroupAmaxSkipsLast(Fp32Base):
     def quantize(self, x, scheme, scale=None):
         if scale is not None or scheme.granularity is not Granularity.GROUP or scheme.group_size <= 32:
             return reference_quantize(x, scheme, scale)
-        G = scheme.group_size
-
-        def amax(blk):
-            return float(blk[:, :G - 1].amax()) if blk.shape[1] == G else float(blk.amax())
-        return _quantize_with_amax(x, scheme, amax)
+        j, width = _block_cols(x, scheme)
+        return _quantize_with_amax_of(x, scheme, (j != scheme.group_size - 1) | (width < scheme.group_size))
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,9 +457,7 @@ class GroupScaleStride(Fp32Base):
         A = a.data.to(torch.float32) * sa_full
         B = b.dequantize(torch.float32)
         y = A @ B.T
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(out_dtype)
+        return finish(y, bias, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,17 +510,13 @@ class SubnormalFlush(Fp32Base):
 # rounding count
 
 
-class BiasAfterOutputRounding(Fp32Base):
+class BiasAfterOutputRounding(TwoRoundings):
     name = "mutant-bias-after-output-rounding"
+    output_roundings = 1
     upstream = "NVIDIA/TensorRT-LLM PR#17505 (gemm + bias rounded to bf16 twice); FBGEMM PR#4095"
     klass = "rounding count"
-    bug = "the scaled product is rounded to the output dtype, then the bias added and rounded again (declares one)"
-
-    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
-        y = fp32_mm(a, b, None, out_dtype)
-        if bias is None:
-            return y
-        return (y.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+    bug = ("the scaled product is rounded to the output dtype, then the bias added and rounded again, while "
+           "the backend declares one rounding (correct-two-roundings computes the same and declares two)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                      peer_rates(cls(), args.trials), not search.passed, dt_search, fs))
         print(cls.name, f"{dt:.1f}s", sum(detected), not search.passed, flush=True)
     for cls in CORRECT:
-        reports, dt = _timed(lambda c=cls: [check(c(), fast, seed=s) for s in range(args.seeds)])
+        reports, dt = _timed(lambda c=cls: [check(c(), fast, seed=s, ops=c.changes) for s in range(args.seeds)])
         worst = max((r.result("scaled_mm.bound").worst_ratio or 0.0) for r in reports)
         correct_rows.append((cls, dt, sum(r.passed for r in reports) / len(reports), worst,
                              peer_rates(cls(), args.trials)))

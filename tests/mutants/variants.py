@@ -12,11 +12,22 @@ from fp8ref.spec import gemm, quant
 from fp8ref.spec.bounds import Accumulation
 from fp8ref.spec.quant import Quantized
 
-from .base import Fp32Base, fp32_mm, ml_dtypes, products, sequential_sum, static_divisor, truncating_sum
+from .base import (
+    GEMM_OPS,
+    Fp32Base,
+    finish,
+    fp32_mm,
+    ml_dtypes,
+    products,
+    sequential_sum,
+    static_divisor,
+    truncating_sum,
+)
 
 
 class ReverseOrder(Fp32Base):
     name = "correct-reverse-order"
+    changes = GEMM_OPS
     bug = "sums K in reverse order, one product at a time, in fp32"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
@@ -25,6 +36,7 @@ class ReverseOrder(Fp32Base):
 
 class SequentialFp32(Fp32Base):
     name = "correct-sequential-fp32"
+    changes = GEMM_OPS
     bug = "sums K in order, one product at a time, in fp32 (the order gamma_K is the worst case of)"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
@@ -43,17 +55,17 @@ class ReciprocalQuantize(Fp32Base):
 
 class DequantizeFirst(Fp32Base):
     name = "correct-dequantize-first"
+    changes = GEMM_OPS
     bug = "applies the scales in fp32 before the product: deq(a) @ deq(b)^T in one fp32 GEMM"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
         y = a.dequantize(torch.float32) @ b.dequantize(torch.float32).T
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(out_dtype)
+        return finish(y, bias, out_dtype)
 
 
 class KSplit(Fp32Base):
     name = "correct-k-split"
+    changes = GEMM_OPS
     bug = "splits every K-segment in two halves, two fp32 GEMMs added (split-K with fp32 partials)"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
@@ -65,6 +77,7 @@ class KSplit(Fp32Base):
 
 class ExactFloat64(Fp32Base):
     name = "correct-exact-float64"
+    changes = GEMM_OPS
     accumulation = Accumulation.EXACT
     bug = ("one float64 GEMM per K-segment (exact for E4M3 operands: every partial sum is a float64), "
            "float64 epilogue, one rounding; declares exact and declines E5M2, where float64 sums round")
@@ -79,13 +92,12 @@ class ExactFloat64(Fp32Base):
         for k0, k1 in gemm.k_segments(a, b):
             S = a.data[:, k0:k1].to(torch.float64) @ b.data[:, k0:k1].to(torch.float64).T
             y += S * torch.outer(gemm.scale_column(a, k0), gemm.scale_column(b, k0))
-        if bias is not None:
-            y += bias.to(torch.float64)
-        return y.to(out_dtype)
+        return finish(y, bias, out_dtype)
 
 
 class TwoRoundings(Fp32Base):
     name = "correct-two-roundings"
+    changes = GEMM_OPS
     output_roundings = 2
     bug = ("rounds the scaled product to the output dtype, then adds the bias and rounds again, and declares "
            "two output roundings")
@@ -99,6 +111,7 @@ class TwoRoundings(Fp32Base):
 
 class FastPromote32(Fp32Base):
     name = "correct-fast-promote32"
+    changes = GEMM_OPS
     accumulation = Accumulation("fast-promote32", 2.0**-13, promote_every=32)
     bug = ("14-bit truncating accumulation of 32 products at a time, chunk sums added in fp32 (Hopper's "
            "promotion); declares u = 2**-13 with promotion every 32")
@@ -109,6 +122,7 @@ class FastPromote32(Fp32Base):
 
 class HonestBf16(Fp32Base):
     name = "correct-declared-bf16"
+    changes = GEMM_OPS
     accumulation = Accumulation.BF16
     bug = "accumulates in bf16, one product at a time, and declares bf16 accumulation"
 
@@ -132,6 +146,7 @@ def _fp16_prescaled(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 class DeclaredFp16(Fp32Base):
     name = "correct-declared-fp16"
+    changes = GEMM_OPS
     accumulation = Accumulation.FP16
     bug = "accumulates in fp16 (products pre-scaled by a power of two into fp16's range) and declares fp16"
 
