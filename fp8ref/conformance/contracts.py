@@ -78,8 +78,9 @@ class Contract:
         ``sweep(problems) -> problems``: adapts the op's corner sweep to the contract's premise
         (None: the sweep as generated).
     secondary : bool
-        An identity or info contract (determinism, symmetry, equivariance, bit exactness, batch
-        invariance): thinned out of the sweep for backends that pay per element.
+        An identity or info contract (determinism, symmetry, equivariance, losslessness on the grid,
+        the fused linear against two calls, bit exactness, batch invariance): thinned out of the
+        sweep for backends that pay per element.
     """
 
     name: str
@@ -797,7 +798,7 @@ CONTRACTS: tuple[Contract, ...] = (
              "linear_error_bound", _lp, check_linear_bound, _L_EX),
     Contract("linear.matches_two_calls", "linear", "exact",
              "the fused Backend.linear hook returns scaled_mm(quantize(x)) bit for bit",
-             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX),
+             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX, secondary=True),
     Contract("quantize.exact_on_pow2_scale", _Q, "exact",
              "where the scale is a power of two (x/s exact), the codes are RNE(clamp(x/s)): ties to even, "
              "subnormals kept, saturation at qmax, never -0 in a format without it", "bit-exact values",
@@ -809,7 +810,7 @@ CONTRACTS: tuple[Contract, ...] = (
              "finite", _gp(), check_scaled_mm_finite, _G_EX),
     Contract("quantize.lossless_on_grid", _Q, "exact",
              "inputs already on the FP8 grid (scale 2**e) quantize losslessly, scale equal to the reference",
-             "bit-exact", _qp(families=("on_grid", "qmax", "ties")), check_quantize_lossless, _Q_GRID_EX, _on_grid),
+             "bit-exact", _qp(families=("on_grid", "qmax", "ties")), check_quantize_lossless, _Q_GRID_EX, _on_grid, secondary=True),
     Contract("quantize.deterministic", _Q, "exact", "the same call twice gives the same bits",
              "bit-exact", _qp(), check_quantize_deterministic, _Q_EX, secondary=True),
     Contract("quantize.scale_equivariance", _Q, "exact",

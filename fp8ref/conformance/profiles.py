@@ -79,9 +79,9 @@ class Profile:
         Largest row count of any operand (tall-thin shapes); lowered with ``max_elems`` for
         backends that pay per element (``conformance_max_elems``).
     sweep_stride : int
-        The secondary contracts (identities and info: determinism, symmetry, equivariance, bit
-        exactness, batch invariance) run every ``sweep_stride``-th sweep item; 1 except for
-        backends that pay per element.
+        The secondary contracts (identities and info: determinism, symmetry, equivariance,
+        losslessness on the grid, fused linear = two calls, bit exactness, batch invariance) run
+        every ``sweep_stride``-th sweep item; 1 except for backends that pay per element.
     """
 
     name: str
