@@ -7,6 +7,16 @@ the counterexample of each failure, a coverage table and a verdict that is "pass
 claimed contract ran examples. The same machinery
 backs ``fp8ref conformance`` (CLI), ``pytest properties`` and the ``fp8ref_certify`` pytest
 fixture. See docs/conformance.md.
+
+What lives where, from the bottom up: ``profiles`` (budgets, boundary sizes), ``scope`` (what a
+certificate claims), ``values`` (float values, FP8 codes and static scales by family) and
+``problems`` (problem descriptions built from them), ``strategies`` (Hypothesis strategies of
+problems), ``sweep`` (the corner sweep), ``probe`` (``accumulator_bits``), ``contracts/`` (the
+table, one module of checks per op), ``coverage`` and ``report`` (what a report holds and how it
+prints), ``driver`` (``check``, ``check_contract``), ``peers`` (the peers' tolerances, for
+docs/mutants.md). Imports flow one way, down that list: each module imports only the ones before
+it, the spec and the registry (``fp8ref.kernels`` only lazily, for ``fp8ref.linear``); nothing
+here imports the CLI, the selector or ``fp8ref.peers``, which import this package.
 """
 
 from . import strategies

@@ -43,7 +43,6 @@ from .problems import (
     LinearProblem,
     QuantizeProblem,
     TensorSpec,
-    _grid_values,
     anchor_blocks,
     make_codes,
     make_tensor,
@@ -52,6 +51,7 @@ from .problems import (
 )
 from .profiles import Profile, boundary_sizes, get_profile
 from .scope import Scope
+from .values import _grid_values
 
 __all__ = [
     "QuantScheme",
@@ -236,7 +236,7 @@ def fp8_codes(draw, fmt: Fp8Format | str = "e4m3fn", max_elems: int = 64) -> tor
 
 @functools.cache
 def _tensor_specs(p: Profile, dtype: torch.dtype, families=VALUE_FAMILIES):
-    from .problems import _exp_range
+    from .values import _exp_range
 
     lo, hi = _exp_range(dtype)
     return st.builds(TensorSpec, st.sampled_from(families),

@@ -1,0 +1,127 @@
+"""The linear contracts' checks: the end-to-end bound against the unquantized float64 linear, and the
+fused ``Backend.linear`` hook against ``scaled_mm(quantize(x))``."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ...registry import Backend
+from ...spec import quant
+from ...spec.bounds import linear_error_bound
+from ...spec.quant import Quantized
+from .. import strategies as fst
+from .common import (
+    ContractViolation,
+    Declined,
+    _check_within,
+    _first_diff,
+    _mm,
+    _quantize,
+    _ref_quantize,
+    _require,
+    _same_bits,
+    backend_threads,
+    poison_allocator,
+)
+
+
+def _registered(backend: Backend) -> bool:
+    from ...registry import get_backend
+
+    try:
+        return get_backend(backend.name) is backend
+    except KeyError:
+        return False
+
+
+def _linear_takes_scale(backend: Backend) -> bool:
+    """Whether ``backend.linear`` accepts ``scale=`` (hooks written before static scales do not)."""
+    try:
+        inspect.signature(backend.linear).bind_partial(scale=None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect: let the call decide
+        pass
+    return True
+
+
+def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scale):
+    if scale is not None and not _linear_takes_scale(backend):
+        raise Declined(f"premise: backend {backend.name!r}: linear() takes no scale=, so no static activation "
+                       f"scheme ({scheme.short_str()})")
+    with backend_threads():
+        if scale is None:
+            return backend.linear(x, prepared, bias, out_dtype, scheme)
+        return backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale)
+
+
+def _linear(backend: Backend, x, w, bias, recipe, out_dtype, scale=None):
+    """The backend's linear as ``fp8ref.linear`` computes it: the weight quantized once by the
+    reference (load time), the activations by the backend, the backend's scaled_mm. A
+    registered backend goes through ``fp8ref.linear(..., backend=name)`` itself (static activation
+    schemes, which ``fp8ref.linear`` does not take, through its ``Backend.linear`` hook)."""
+    qw = quant.quantize(w, recipe.weight)
+    qx = _quantize(backend, x, recipe.activation, scale)
+    if _registered(backend):
+        import fp8ref
+
+        poison_allocator((x.shape[0], w.shape[0]), x.device)
+        if scale is None:
+            with backend_threads():
+                y = fp8ref.linear(x, w, bias, recipe=recipe, backend=backend.name, precision="fast",
+                                  out_dtype=out_dtype)
+        else:
+            with backend_threads():
+                prepared = backend.prepare_weight(qw)
+            y = _backend_linear(backend, x, prepared, bias, out_dtype, recipe.activation, scale)
+        if tuple(y.shape) != (x.shape[0], w.shape[0]) or y.dtype != out_dtype:
+            raise ContractViolation(f"fp8ref.linear returned {tuple(y.shape)} {y.dtype}")
+    else:
+        y = _mm(backend, qx, qw, bias, out_dtype)
+    return y, qx, qw
+
+
+def check_linear_bound(backend: Backend, p: fst.LinearProblem) -> float:
+    _require(backend, p.case())
+    x, w, bias = p.build()
+    scale = p.act_scale(x)
+    _ref_quantize(x, p.recipe.activation, scale)
+    _ref_quantize(w, p.recipe.weight)
+    from ...kernels import reference  # noqa: F401 -- fp8ref.linear needs the registry loaded
+    y_true = x.to(torch.float64) @ w.to(torch.float64).T
+    if bias is not None:
+        y_true = y_true + bias.to(torch.float64)
+    if bool((y_true.abs() > torch.finfo(p.out_dtype).max / 4).any()):
+        raise Declined(f"premise: the exact result overflows {p.out_dtype}")
+    y, qx, qw = _linear(backend, x, w, bias, p.recipe, p.out_dtype, scale)
+    bound = linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
+                               output_roundings=backend.output_roundings)
+    return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound)", y, y_true, bound)
+
+
+def check_linear_matches_two_calls(backend: Backend, p: fst.LinearProblem) -> float:
+    """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
+    returns, bit for bit, on the weight prepared by ``prepare_weight``."""
+    _require(backend, p.case())
+    x, w, bias = p.build()
+    scale = p.act_scale(x)
+    _ref_quantize(x, p.recipe.activation, scale)
+    qw = _ref_quantize(w, p.recipe.weight)
+    with backend_threads():
+        prepared = backend.prepare_weight(_to_device(qw, x.device))
+    y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
+    qx = _quantize(backend, x, p.recipe.activation, scale)
+    with backend_threads():
+        y2 = backend.scaled_mm(qx, prepared, bias, p.out_dtype)
+    if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
+        raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
+                                f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
+    if not _same_bits(y1, y2):
+        raise ContractViolation(f"linear differs from scaled_mm(quantize): {_first_diff(y1, y2)}")
+    return 0.0
+
+
+def _to_device(q: Quantized, device) -> Quantized:
+    return q if q.data.device == device else Quantized(q.data.to(device), q.scale.to(device), q.scheme)
