@@ -382,7 +382,7 @@ def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
 
 
 def test_runoff_skips_backends_far_behind(fakes, monkeypatch):
-    fast, slow = Good("t-fast", delay=0.3), Good("t-slower", delay=1.0)  # 3.3x: timed, but > RUNOFF_FACTOR
+    fast, slow = Good("t-fast", delay=0.4), Good("t-slower", delay=1.1)  # 2.75x: fully timed, > RUNOFF_FACTOR
     for b in (fast, slow):
         fp8ref.register_backend(b, replace=True)
     monkeypatch.setattr(sel, "TIME_BUDGET_S", 10.0)  # several runs each: left out for the factor, not for one run
