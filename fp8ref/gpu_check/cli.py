@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..bench import machine_meta, run
-from ..cli.bench import _ints, _shape
+from ..cli.bench import _ints, _shape, _workload_args
 from . import steps
 from .summary import fmt_num, jsonable, summary_markdown, write_json, write_summary
 from .targets import TARGETS, evaluate_targets, overall
@@ -61,12 +61,7 @@ def _command(args: argparse.Namespace) -> str:
              "--budget-s", f"{args.budget_s:g}", "--steps", args.steps, "--profile", args.profile]
     if args.quick:
         parts.append("--quick")
-    for b in args.backend or ():
-        parts += ["--backend", b]
-    for k, n in args.shape or ():
-        parts += ["--shape", f"{k}x{n}"]
-    if args.m:
-        parts += ["--m", ",".join(map(str, args.m))]
+    parts += _workload_args(args)
     if args.in_process:
         parts.append("--in-process")
     return " ".join(parts)
