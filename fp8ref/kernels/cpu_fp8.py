@@ -16,7 +16,7 @@ same extension holds the fused per-row quantizer and scale epilogue used by ``fa
 ``cpu-bf16`` and ``cpu-fp32``. ``fp8ref.kernels.native`` builds and loads it: the backend is
 available once this environment's build exists, which ``python -m fp8ref.kernels.cpu_fp8`` makes
 (about a minute on two cores), or ``FP8REF_CPU_FP8=1`` at the first availability check; never a
-listing, a selection's probe or a timed call.
+selection's probe or a timed call.
 
 Declines: other formats than E4M3FN, block/group scales (tensor and row only), non-CPU tensors, and
 more than ``MAX_M`` rows (``MAX_M_FALLBACK`` without avx512_bf16). The packed kernel is strict-class
@@ -52,6 +52,7 @@ MAX_M_FALLBACK = 4
 #: Rows per call of the packed kernel: its activation pairs (K/2 x rows x 4 bytes) stay in L2
 #: (2 MiB at K = 4096); 1024 rows at K = 14336 (29 MiB) ran 4x slower per row than 256.
 PACKED_ROWS = 256
+
 
 def _cpu_has_bf16_dot() -> bool:
     """avx512_bf16 (with avx512f/bw) on this CPU: asked of the loaded extension (what its packed
