@@ -22,7 +22,7 @@ import torch
 
 import fp8ref
 from fp8ref import select as sel
-from fp8ref.linear import linear
+from fp8ref.api import linear
 
 
 class NullBackend(fp8ref.Backend):

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 import warnings
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import fp8ref
 from fp8ref import select as sel
 from fp8ref.registry import Backend, Case
+from fp8ref.select import cache, timing
 
 L = sys.modules["fp8ref.api"]  # fp8ref.linear is the function; the module lives here
 CASE = Case(M=8, N=48, K=64, recipe=fp8ref.W8A8_FP8)
@@ -105,7 +105,7 @@ class Unavailable(Good):
 def fakes(tmp_path, monkeypatch):
     """Register fake backends in an isolated cache dir; remove them afterwards."""
     monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.setattr(sel, "time", types.SimpleNamespace(perf_counter=CLOCK.perf_counter))
+    monkeypatch.setattr(timing, "clock", CLOCK.perf_counter)
     monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
     monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
     sel.clear_cache()
@@ -119,7 +119,12 @@ def fakes(tmp_path, monkeypatch):
     }
     for b in made.values():
         fp8ref.register_backend(b, replace=True)
+    # One torch thread: the fakes' real work is a few tiny ops, which two threads on a loaded
+    # 2-core machine turned into ~25 ms of spinning per call, drowning their simulated delays.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield made
+    torch.set_num_threads(threads)
     for b in made.values():
         fp8ref.unregister_backend(b.name)
     sel.clear_cache()
@@ -243,7 +248,7 @@ def test_bad_input_is_not_blamed_on_the_backend(fakes, monkeypatch):
     x[1, 3] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         fp8ref.linear(x, w)
-    assert not sel._FAILED
+    assert not cache._FAILED
 
 
 def test_memory_then_disk_then_probe(fakes):
@@ -309,7 +314,7 @@ def _writer(cache_dir: str, tag: str, n: int) -> None:
     for i in range(n):
         d = sel.Decision(key=f"{tag}-{i}", case="c", precision="standard", chosen="reference",
                          ranking=["reference"], rows=[sel.Row("reference", "exact")])
-        sel._write_disk(d.key, d)
+        cache.write_disk(d.key, d)
 
 
 def test_concurrent_writers_leave_valid_json(tmp_path):
@@ -362,15 +367,15 @@ def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
         fp8ref.register_backend(b, replace=True)
     # budgets in simulated seconds, so that both fakes get several timed runs (a single-run median
     # is not a contender) and a run-off of several rounds
-    monkeypatch.setattr(sel, "TIME_BUDGET_S", 5.0)
-    monkeypatch.setattr(sel, "RUNOFF_BUDGET_S", 10.0)
-    real_time = sel._time
+    monkeypatch.setattr(timing, "TIME_BUDGET_S", 5.0)
+    monkeypatch.setattr(timing, "RUNOFF_BUDGET_S", 10.0)
+    real_time = timing.time_backend
 
     def bursty(b, case, best, timers=None):
         med, runs, note = real_time(b, case, best, timers)
         return (med * 4 if b.name == "t-fast" else med), runs, note
 
-    monkeypatch.setattr(sel, "_time", bursty)
+    monkeypatch.setattr(timing, "time_backend", bursty)
     try:
         d = sel.select(CASE, candidates=["t-fast", "t-slower"], refresh=True)
     finally:
@@ -385,7 +390,7 @@ def test_runoff_skips_backends_far_behind(fakes, monkeypatch):
     fast, slow = Good("t-fast", delay=0.4), Good("t-slower", delay=1.1)  # 2.75x: fully timed, > RUNOFF_FACTOR
     for b in (fast, slow):
         fp8ref.register_backend(b, replace=True)
-    monkeypatch.setattr(sel, "TIME_BUDGET_S", 10.0)  # several runs each: left out for the factor, not for one run
+    monkeypatch.setattr(timing, "TIME_BUDGET_S", 10.0)  # several runs each: left out for the factor, not for one run
     try:
         d = sel.select(CASE, candidates=["t-fast", "t-slower"], refresh=True)
     finally:
