@@ -5,9 +5,12 @@ affected. Tests that reproduce an entry are marked ``xfail(strict=True)`` throug
 so an upstream fix makes them XPASS -> fail, which forces the entry's removal. The conformance
 suite reads ``KNOWN_FAILURES`` to report these next to its own results.
 
-Fields: ``id`` (stable key), ``backend`` (registry name), ``applies`` (when it bites),
-``what`` (the failing property), ``link`` (upstream issue/PR, or None if none was found),
-``reason`` (the cause, and the workaround fp8ref uses), ``test`` (the test that reproduces it).
+Fields: ``id`` (stable key), ``backend`` (registry name, or a peer of ``fp8ref.peers``), ``applies``
+(when it bites), ``what`` (the failing property), ``link`` (upstream issue/PR, or None if none was
+found), ``reason`` (the cause, and the workaround fp8ref uses), ``test`` (the test that reproduces it).
+Entries for peers also name the conformance ``property`` (contract) they turn into a strict xfail in
+``fp8ref certify`` and its ``upstream`` link; their ``test`` is a standalone reproduction in
+``tests/findings/`` (docs/findings.md).
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ KNOWN_FAILURES: list[dict] = [
                   "_scaled_mm CPU); the torch and torch-fast backends run a trial call per (device, operand "
                   "class) and decline with torch's message, so fp8ref never crashes on it",
         "test": "tests/test_torch_trial.py::test_upstream_fnuz_behaviour_on_this_cpu",
+    },
+    {
+        "id": "triton-interp-bf16-arith",
+        "backend": "triton",
+        "applies": "TRITON_INTERPRET=1 (triton 3.9)",
+        "what": "+ - * / on two bf16 tensors operate on their uint16 bit patterns (c = acc.to(bf16); c += bias "
+                "gives ~1e38)",
+        "link": "https://github.com/triton-lang/triton/issues/10919",
+        "reason": "the interpreter stores bf16 as uint16 and binary_op runs numpy on the storage (fix PR #10945 closed "
+                  "unmerged); fp8ref's triton backend does no bf16 arithmetic, and third-party kernels are certified "
+                  "under fp8ref.peers.triton_interpreter.correct_downcasts()",
+        "test": "tests/test_peers_triton_interpreter.py::test_unpatched_bf16_arithmetic_still_wrong",
     },
     {
         "id": "triton-interp-bf16-dot",

@@ -51,13 +51,13 @@ def _stub_deep_gemm() -> None:
     except Exception:
         sys.modules.pop(_DEEP_GEMM, None)
     stub = types.ModuleType(_DEEP_GEMM)
-    stub.__doc__ = "fp8ref stand-in: DeepGEMM is CUDA-only; any call raises."
+    stub.__doc__ = "fp8ref stand-in: DeepGEMM is CUDA-only; its GEMMs raise."
     stub.ENABLE_JIT_DEEPGEMM = False
 
     def _refuse(*args, **kwargs):
         raise RuntimeError("DeepGEMM is not available (fp8ref's CPU stand-in for deep_gemm_wrapper)")
 
-    stub.__getattr__ = lambda name: _refuse  # module-level __getattr__ (PEP 562)
+    stub.gemm_nt_f8f8bf16 = stub.gemm_nt_mxfp8_f8f8bf16 = _refuse  # what the GEMM module calls
     sys.modules[_DEEP_GEMM] = stub
     import sglang.srt.layers as layers
 

@@ -10,7 +10,7 @@ input by the fp32 scale, clamps at the format's max and casts. Block sizes: the 
 (PerTensor), ``[1, K]`` (PerRow), ``[1, G]`` or ``[R, C]`` (blocks must divide the shape).
 
 Conventions filled in for certification (docs/spec.md §3.1): the scale is computed in the input's
-dtype (``scale_compute_dtype``). Not filled in, because they are defects: an all-zero block with no
+dtype (``scale_compute_dtype``) and kept when it is subnormal (``subnormal_scales``). Not filled in, because they are defects: an all-zero block with no
 ``hp_value_lb`` gets scale 0 and NaN codes (pytorch/ao#4713); power-of-two scales rounded to the
 nearest power (values up to sqrt(2) * qmax are clamped).
 """
@@ -51,9 +51,10 @@ class TorchAOFloat8(Peer):
     ops = ("quantize",)
 
     def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-        if x_dtype in (torch.bfloat16, torch.float16) and scheme.scale_dtype == torch.float32:
-            return scheme.with_(scale_compute_dtype=x_dtype)
-        return scheme
+        if scheme.scale_dtype != torch.float32:
+            return scheme
+        dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+        return scheme.with_(scale_compute_dtype=dt, subnormal_scales=True)
 
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)
@@ -66,8 +67,8 @@ class TorchAOFloat8(Peer):
         want = case.x_dtype if case.x_dtype in (torch.bfloat16, torch.float16) else torch.float32
         if s.scale_compute_dtype != want:
             return f"torchao computes the scale in the input's dtype ({want}), not {s.scale_compute_dtype}"
-        if s.zero_scale != 1.0 or s.subnormal_scales:
-            return "torchao has no zero-block or subnormal-scale rule of its own"
+        if s.zero_scale != 1.0 or not s.subnormal_scales:
+            return "torchao keeps subnormal scales and has no zero-block rule of its own"
         if s.amax_floor and s.pow2_scale:
             return "hp_value_lb and E8M0 scales together are not a torchao configuration"
         r, c = s.block_shape(case.M, case.K)
