@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref import QuantScheme, Quantized
+from fp8ref import Quantized, QuantScheme
 from fp8ref.conformance.strategies import QuantizeProblem, TensorSpec
 from fp8ref.peers import Peer, get_peer, peer_names, peers
 from fp8ref.peers.certify import certify_peer
@@ -87,7 +87,8 @@ def test_a_defect_fails_with_a_reproducible_counterexample():
     cert = certify_peer(_NaNOnZeroRows(), "dev", seed=0, contracts=["quantize.codes", "quantize.deterministic"])
     codes = cert.report.result("quantize.codes")
     assert codes.status == "fail" and "NaN code" in codes.message
-    assert codes.reproduce.startswith("fp8ref certify --peer fake-zero-nan --profile dev --seed 0 --only quantize.codes")
+    want = "fp8ref certify --peer fake-zero-nan --profile dev --seed 0 --only quantize.codes"
+    assert codes.reproduce.startswith(want)
     assert cert.report.result("quantize.deterministic").status == "pass"
     assert "codes" in cert.exact_label and cert.exact_samples > 0
     assert "NaN" in cert.non_finite
@@ -147,3 +148,14 @@ def test_reference_quantizer_is_a_peer_of_itself():
     assert [r.status for r in cert.report.results] == ["pass", "yes"]
     assert cert.exact_codes == 100 and cert.exact_scales == 100
     assert Case(1, 1, 1, Recipe("q", QuantScheme(), QuantScheme()), op="quantize")  # the case type peers see
+
+
+def test_every_peer_ledger_entry_names_an_existing_reproduction():
+    from fp8ref.cli.conformance import load_known_failures
+
+    for e in load_known_failures(str(ROOT / "properties" / "known_failures.py")):
+        path, _, func = e["test"].partition("::")
+        assert (ROOT / path).exists(), e["id"]
+        assert f"def {func}(" in (ROOT / path).read_text(), e["id"]
+        if e.get("property"):
+            assert e["backend"] in peer_names() and e["upstream"] == (e["link"] or ""), e["id"]

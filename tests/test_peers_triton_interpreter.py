@@ -49,6 +49,12 @@ def _bf16_cast_ok() -> bool:
     return torch.equal(REPRO.cast(x, torch.bfloat16, tl.bfloat16), x.to(torch.bfloat16))
 
 
+def _upcast_ok(tdt) -> bool:
+    codes = REPRO.every_code(tdt)
+    got, want = REPRO.widen(codes), codes.float()
+    return bool(((got == want) | (torch.isnan(got) & torch.isnan(want))).all())
+
+
 def _bf16_add_ok() -> bool:
     g = torch.Generator().manual_seed(1)
     x, b = torch.randn(256, generator=g), torch.randn(256, generator=g).to(torch.bfloat16)
@@ -65,6 +71,20 @@ def test_patched_fp8_downcast_is_rne_and_saturating(name, tdt, ttl):
         got = REPRO.cast(nan, tdt, ttl).float()
         assert torch.isnan(got[0]) and got[1].item() == torch.finfo(tdt).max and got[2].item() == -torch.finfo(tdt).max
     assert not patch_active()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name,tdt,ttl", FP8, ids=[f[0] for f in FP8])
+def test_patched_fp8_upcast_keeps_nan_and_inf(name, tdt, ttl):
+    with correct_downcasts():
+        assert _upcast_ok(tdt)
+
+
+@needs_interpreter
+@LEDGER.xfail("triton-interp-fp8-upcast")
+@pytest.mark.parametrize("name,tdt,ttl", FP8, ids=[f[0] for f in FP8])
+def test_unpatched_fp8_upcast_still_loses_nan(name, tdt, ttl):
+    assert _upcast_ok(tdt)
 
 
 @needs_interpreter

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref import Accumulation, PrecisionClass, QuantScheme, Quantized, quantize
+from fp8ref import Accumulation, PrecisionClass, Quantized, QuantScheme, quantize
 from fp8ref.spec.bounds import gemm_error_bound, precision_class
 from fp8ref.spec.gemm import scaled_mm_exact
 

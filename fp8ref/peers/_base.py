@@ -76,6 +76,9 @@ class Peer(Backend):
         The peer's numerics as read from its source (what the declaration rests on).
     modules : tuple of str
         Modules imported on first use; ``available()`` names the first that fails.
+    time_budget_s : float or None
+        A longer per-contract time budget than the profile's, for peers that compile per shape
+        (jax's XLA jit: about a second per new shape), so the pinned examples run; reports say so.
     """
 
     project: str = ""
@@ -83,6 +86,7 @@ class Peer(Backend):
     entry: str = ""
     notes: str = ""
     modules: tuple[str, ...] = ()
+    time_budget_s: float | None = None
 
     def version(self) -> str | None:
         return dist_version(self.distribution)

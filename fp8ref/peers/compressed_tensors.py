@@ -66,7 +66,8 @@ class CompressedTensorsFP8(Peer):
     def _args(self, scheme: QuantScheme):
         from compressed_tensors.quantization import QuantizationArgs
 
-        strategy = {Granularity.TENSOR: "tensor", Granularity.ROW: "token", Granularity.GROUP: "group"}[scheme.granularity]
+        names = {Granularity.TENSOR: "tensor", Granularity.ROW: "token", Granularity.GROUP: "group"}
+        strategy = names[scheme.granularity]
         kw = {"group_size": scheme.group_size} if strategy == "group" else {}
         return QuantizationArgs(num_bits=8, type="float", strategy=strategy, dynamic=True, symmetric=True, **kw)
 

@@ -82,6 +82,7 @@ class JaxXlaDot(Peer):
     ops = ("scaled_mm",)
     accumulation = Accumulation.FP32
     output_roundings = 1
+    time_budget_s = 30.0  # one XLA compilation per new shape
 
     def supports(self, case: Case) -> str | None:
         a, w = case.recipe.activation, case.recipe.weight
@@ -116,11 +117,23 @@ class JaxMXFP8(Peer):
     modules = ("jax", "jax._src.cudnn.scaled_matmul_stablehlo")
     notes = "per 1x32: s = E8M0 round-up of amax/448 in x's dtype; codes = cast(clamp(x / s)) in x's dtype"
     ops = ("quantize",)
+    time_budget_s = 30.0  # one XLA compilation per new shape
 
     def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
         if scheme.granularity is Granularity.GROUP and scheme.group_size == _MX_BLOCK:
             return _mx_native(scheme, x_dtype)
         return scheme
+
+    def map_problem(self, problem):
+        """MXFP8 is one scheme: every drawn quantize problem keeps its data family, dtype and rows
+        and is asked of 1 x 32 blocks, K rounded to a multiple of 32 (what the quantizer asserts)."""
+        if not hasattr(problem, "scheme"):
+            return problem
+        from dataclasses import replace
+
+        mx = _mx_native(QuantScheme(granularity="group", group_size=_MX_BLOCK), problem.x_dtype)
+        cols = _MX_BLOCK * max(1, round(problem.cols / _MX_BLOCK))
+        return replace(problem, scheme=mx, cols=cols)
 
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)

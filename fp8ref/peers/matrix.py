@@ -109,7 +109,8 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
         out.append(f"{_verdict(c)} in {c.seconds:.0f} s ({rep.profile} profile, seed {rep.seed}). Expresses: "
                    f"{c.expressible}. Bit-exact: {_exact(c)} of {c.exact_samples} elements. Non-finite input: "
                    f"{c.non_finite}.")
-        out += ["", "| contract | status | examples | declined | worst err/bound | detail |", "|---|---|---|---|---|---|"]
+        out += ["", "| contract | status | examples | declined | worst err/bound | detail |",
+                "|---|---|---|---|---|---|"]
         for r in rep.results:
             detail = r.note or ""
             if r.counterexample:

@@ -34,7 +34,8 @@ class ModelOptFP8(Peer):
     distribution = "nvidia-modelopt"
     entry = f"{_TQ}.scaled_e4m3 (CPU: _fp8_eager), amax per tensor or per row"
     modules = (_TQ,)
-    notes = "amax<=2**-24 -> 1; m = 448/amax, s = 1/m (fp32); codes = cast(clamp(x.float() * m)); out = q*s in x's dtype"
+    notes = ("amax <= 2**-24 -> 1; m = 448/amax, s = 1/m (fp32); codes = cast(clamp(x.float() * m)); "
+             "out = q*s in x's dtype")
     ops = ("quantize",)
 
     def supports(self, case: Case) -> str | None:

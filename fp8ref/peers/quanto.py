@@ -87,12 +87,20 @@ class QuantoQBytesMM(Peer):
     output_roundings = 2
 
     def map_problem(self, problem):
-        # quanto holds scales in the model's dtype: a bf16 model's GEMM sees bf16 scales.
-        r = problem.recipe
-        recipe = Recipe(r.name, r.weight.with_(scale_dtype=torch.bfloat16), r.activation.with_(scale_dtype=torch.bfloat16))
+        """quanto's W8A8 scheme for every drawn GEMM problem (its codes, shapes and bias kept): a bf16
+        model's scales and output are bf16; activations carry one static scale per tensor, weights one
+        per output channel (per tensor if drawn so); qfloat8 is e4m3fn."""
         from dataclasses import replace
 
-        return replace(problem, recipe=recipe)
+        r = problem.recipe
+
+        def fit(s: QuantScheme, granularity: str) -> QuantScheme:
+            return QuantScheme(format=E4M3FN, granularity=granularity, scale_dtype=torch.bfloat16,
+                               dynamic=s.dynamic, amax_floor=s.amax_floor)
+
+        w_gran = "tensor" if r.weight.granularity is Granularity.TENSOR else "row"
+        recipe = Recipe(r.name, fit(r.weight, w_gran), fit(r.activation, "tensor"))
+        return replace(problem, recipe=recipe, out_dtype=torch.bfloat16)
 
     def supports(self, case: Case) -> str | None:
         a, w = case.recipe.activation, case.recipe.weight

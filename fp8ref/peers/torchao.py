@@ -10,9 +10,10 @@ input by the fp32 scale, clamps at the format's max and casts. Block sizes: the 
 (PerTensor), ``[1, K]`` (PerRow), ``[1, G]`` or ``[R, C]`` (blocks must divide the shape).
 
 Conventions filled in for certification (docs/spec.md §3.1): the scale is computed in the input's
-dtype (``scale_compute_dtype``) and kept when it is subnormal (``subnormal_scales``). Not filled in, because they are defects: an all-zero block with no
-``hp_value_lb`` gets scale 0 and NaN codes (pytorch/ao#4713); power-of-two scales rounded to the
-nearest power (values up to sqrt(2) * qmax are clamped).
+dtype (``scale_compute_dtype``) and kept when it is subnormal (``subnormal_scales``). Not filled in,
+because they are defects: an all-zero block with no ``hp_value_lb`` gets scale 0 and NaN codes
+(pytorch/ao#4713); power-of-two scales rounded to the nearest power (values up to sqrt(2) * qmax
+are clamped).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ three things wrong that a GPU gets right (``properties/known_failures.py``):
   triton PR#9808 for the ties, PR#11897 for the carry);
 * fp32 -> bf16 (``.to(tl.bfloat16)``, a bf16 store) truncates instead of rounding to nearest even;
 * bf16 values are held as uint16 and ``+ - * /`` on two bf16 tensors operate on the bit patterns
-  (``c = acc.to(bf16); c += bias`` returns ~1e38).
+  (``c = acc.to(bf16); c += bias`` returns ~1e38);
+* fp8 -> wider upcasts decode NaN and Inf codes as finite numbers (0x7F E4M3FN -> 480).
 
 A kernel certified under the unpatched interpreter would be blamed for Triton's bugs. Inside
 ``correct_downcasts()``:
@@ -19,11 +20,14 @@ A kernel certified under the unpatched interpreter would be blamed for Triton's 
   ml_dtypes' round-to-nearest-even after a clamp to the format's finite range, i.e. the
   ``cvt.rn.satfinite`` conversion Triton emits on NVIDIA GPUs; NaN stays NaN;
 * fp32/fp64 -> bf16 is round-to-nearest-even (IEEE overflow to +-Inf);
+* fp8 -> fp16/bf16/fp32 (what ``tl.dot`` on FP8 operands does first) keeps NaN and Inf codes
+  (the interpreter turns E4M3FN's NaN 0x7F into 480, E5M2's Inf into 65536, E4M3FNUZ's NaN 0x80
+  into -0, so a NaN code vanishes inside a GEMM);
 * a binary op on bf16 operands is computed on their fp32 values and rounded to nearest even once,
   which is the correctly rounded bf16 result (fp32 holds more than 2 * 8 + 2 bits, so the double
   rounding is innocuous) -- what ``add.rn.bf16`` and friends return on a GPU.
 
-Anything else (upcasts, round-toward-zero requests, fp8e4b15) goes to Triton's own code. The
+Anything else (bf16/fp16 -> fp32 upcasts, round-toward-zero requests, fp8e4b15) goes to Triton's own code. The
 patch is undone on exit and is not thread-safe (the interpreter is single-threaded anyway).
 ``tests/test_peers_triton_interpreter.py`` runs the same checks with and without the patch: the
 unpatched runs are strict xfails, so the patch is removed when Triton is fixed.
@@ -79,6 +83,14 @@ def _make_convert(original):
     rtne = (None, _ir.ROUNDING_MODE.RTNE)
 
     def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype in fp8 and output_dtype.primitive_bitwidth > 8:  # upcast: exact, NaN/Inf kept
+            vals = np.asarray(input).astype(np.uint8).view(fp8[input_dtype]).astype(np.float32)
+            out = {tl.float16: lambda v: v.astype(np.float16).view(np.uint16),
+                   tl.bfloat16: lambda v: v.astype(ml_dtypes.bfloat16).view(np.uint16),
+                   tl.float32: lambda v: v.view(np.uint32),
+                   tl.float64: lambda v: v.astype(np.float64).view(np.uint64)}.get(output_dtype)
+            if out is not None:
+                return out(vals).reshape(np.shape(input))
         if rounding_mode in rtne and input_dtype.primitive_bitwidth > output_dtype.primitive_bitwidth:
             if output_dtype in fp8:
                 vals = (np.asarray(input, dtype=np.float64) if input_dtype == tl.float64

@@ -30,7 +30,7 @@ def test_bf16_weights_are_rounded_once():
     q, scale = _quantize(w)
     once = (w.float() / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
     wrong = (q.view(torch.uint8) != once.view(torch.uint8)).float().mean().item()
-    assert wrong == 0, f"{wrong:.2%} of codes differ from one rounding of w / scale (w / scale is rounded to bf16 first)"
+    assert wrong == 0, f"{wrong:.2%} of codes differ from one rounding of w / scale (rounded to bf16 first)"
 
 
 if __name__ == "__main__":  # run standalone: the failures show (--runxfail), exit status 1
