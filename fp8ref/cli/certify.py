@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--in-process", action="store_true", help="run the peers in this process")
     p.add_argument("--no-measure", action="store_true", help="contracts only (skip bit-exactness, schemes, non-finite)")
     p.add_argument("--list", action="store_true", help="list the peers and whether each can run here")
+    p.add_argument("--render", metavar="JSON", help="write the matrix from certificates saved with --json "
+                                                    "(no recomputation)")
     p.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
 
@@ -126,6 +128,8 @@ def _run(args: argparse.Namespace) -> int:
     from .conformance import load_known_failures
 
     known = [e for e in load_known_failures(args.known_failures) if e.get("property")]
+    if args.render:
+        return _render_saved(args)
     if args.worker:
         return _worker(args, known)
     if args.list:
@@ -165,16 +169,7 @@ def _run(args: argparse.Namespace) -> int:
             json.dump([c.to_dict() for c in certs], f, indent=2, default=str)
     output = args.output or (DEFAULT_OUTPUT if not args.peer and not args.only and not args.check else None)
     if output:
-        from .._io import atomic_write
-
-        text = render(certs, _header(args))
-
-        def write(tmp):
-            with open(tmp, "w") as f:
-                f.write(text)
-
-        atomic_write(output, write)
-        print(f"wrote {output}", file=sys.stderr)
+        _write_matrix(output, render(certs, _header(args)))
     if args.check:
         with open(args.check) as f:
             diffs = compare(certs, recorded_verdicts(f.read()))
@@ -185,6 +180,27 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"  {d}", file=sys.stderr)
             return 1
         print(f"verdicts match {args.check}", file=sys.stderr)
+    return 0
+
+
+def _write_matrix(path: str, text: str) -> None:
+    from .._io import atomic_write
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _render_saved(args) -> int:
+    from ..peers.certify import Certificate
+    from ..peers.matrix import render
+
+    with open(args.render) as f:
+        certs = [Certificate.from_dict(d) for d in json.load(f)]
+    _write_matrix(args.output or DEFAULT_OUTPUT, render(certs, _header(args)))
     return 0
 
 

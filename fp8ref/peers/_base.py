@@ -19,7 +19,8 @@ from ..registry import Backend, Case
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme, Recipe
 
-__all__ = ["Peer", "dist_version", "import_reason", "as_scheme_scale", "interpreting"]
+__all__ = ["Peer", "dist_version", "import_reason", "as_scheme_scale", "interpreting", "model_dtype_scales",
+           "ModelDtypeScalesPeer"]
 
 
 def dist_version(distribution: str) -> str | None:
@@ -137,6 +138,27 @@ class Peer(Backend):
     @staticmethod
     def _case_scheme(case: Case) -> QuantScheme:
         return case.recipe.activation
+
+
+def model_dtype_scales(scheme: QuantScheme, x_dtype: torch.dtype, *, eps_for_zero: bool = False) -> QuantScheme:
+    """``scheme`` with the scale computed and stored in the model's dtype (bf16/fp16 input; fp32
+    otherwise), no amax floor, subnormal scales kept -- compressed-tensors' and quanto's conventions;
+    ``eps_for_zero``: a zero block's scale is that dtype's eps (compressed-tensors)."""
+    dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    zero = float(torch.finfo(dt).eps) if eps_for_zero else scheme.zero_scale
+    return scheme.with_(amax_floor=0.0, scale_dtype=dt, scale_compute_dtype=dt, subnormal_scales=True,
+                        zero_scale=zero)
+
+
+class ModelDtypeScalesPeer(Peer):
+    """A quantizer that computes and stores its E4M3 scales in the model's dtype (``model_dtype_scales``)."""
+
+    eps_for_zero = False
+
+    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
+        if scheme.format.name == "e4m3fn" and scheme.qmax == scheme.format.max and not scheme.pow2_scale:
+            return model_dtype_scales(scheme, x_dtype, eps_for_zero=self.eps_for_zero)
+        return scheme
 
 
 def group_width(scheme: QuantScheme, cols: int) -> int | None:

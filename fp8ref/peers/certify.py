@@ -157,6 +157,20 @@ def _gran(s: QuantScheme) -> str:
     return s.granularity.value
 
 
+def _conventions(s: QuantScheme) -> list[str]:
+    """The non-default scale conventions of a scheme, in words (docs/spec.md §3.1)."""
+    out = []
+    if s.scale_compute_dtype != torch.float32:
+        out.append(f"scale computed in {_DT[s.scale_compute_dtype]}")
+    if s.scale_dtype != torch.float32:
+        out.append(f"scale stored in {_DT[s.scale_dtype]}")
+    if s.zero_scale != 1.0:
+        out.append(f"zero-block scale {s.zero_scale:g}")
+    if s.subnormal_scales:
+        out.append("subnormal scales kept")
+    return out
+
+
 def _accepted_quantize(peer: Peer, rows: int = 128, cols: int = 256) -> list[tuple[QuantScheme, torch.dtype]]:
     out = []
     for base in _candidate_schemes():
@@ -198,12 +212,11 @@ def expressible(peer: Peer) -> str:
         grans = sorted({_gran(s) for s, _ in acc}, key=lambda g: ("tensor", "row").index(g) if g in ("tensor", "row")
                        else 2)
         floors = sorted({f"{s.amax_floor:g}" for s, _ in acc})
-        extras = sorted({x for s, _ in acc for x in s.short_str().split("-")[3:] if not x.startswith("floor")})
+        conv = sorted({c for s, _ in acc for c in _conventions(s)})
         dts = [_DT[d] for d in _X_DTYPES if any(dt == d for _, dt in acc)]
         parts.append(f"{', '.join(fmts)}; {', '.join(grans)}; amax floor {', '.join(floors)}; "
                      f"{'pow2 scales ok; ' if any(s.pow2_scale for s, _ in acc) else ''}x {', '.join(dts)}"
-                     + (f"; conventions: {', '.join(x for x in extras if x != 'pow2')}" if
-                        [x for x in extras if x != "pow2"] else ""))
+                     + (f"; conventions: {', '.join(conv)}" if conv else ""))
     if "scaled_mm" in peer.ops:
         acc = _accepted_gemm(peer)
         if not acc:

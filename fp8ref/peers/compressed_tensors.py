@@ -20,7 +20,7 @@ from ..registry import Case
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._base import Peer
+from ._base import ModelDtypeScalesPeer
 
 __all__ = ["PEERS"]
 
@@ -28,13 +28,7 @@ _HELPERS = "compressed_tensors.quantization.utils.helpers"
 _FORWARD = "compressed_tensors.quantization.lifecycle.forward"
 
 
-def _native(scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-    dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    return scheme.with_(amax_floor=0.0, scale_dtype=dt, scale_compute_dtype=dt,
-                        zero_scale=float(torch.finfo(dt).eps), subnormal_scales=True)
-
-
-class CompressedTensorsFP8(Peer):
+class CompressedTensorsFP8(ModelDtypeScalesPeer):
     name = "compressed-tensors-fp8"
     project = "compressed-tensors"
     distribution = "compressed-tensors"
@@ -43,10 +37,7 @@ class CompressedTensorsFP8(Peer):
     notes = "s = max|x|/448 in x's dtype (0 -> eps); codes = cast(clamp(x / s computed in x's dtype))"
     ops = ("quantize",)
 
-    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-        if scheme.format == E4M3FN and scheme.qmax == E4M3FN.max and not scheme.pow2_scale:
-            return _native(scheme, x_dtype)
-        return scheme
+    eps_for_zero = True
 
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)
@@ -58,7 +49,7 @@ class CompressedTensorsFP8(Peer):
             return "dynamic activations: token, tensor or group strategy (no blocks)"
         if s.granularity is Granularity.GROUP and case.K % s.group_size:
             return "group strategy reshapes K into groups: K % group_size must be 0"
-        if s != _native(s, case.x_dtype):
+        if s != self.conventions(s, case.x_dtype):
             return ("compressed-tensors computes and stores the scale in the input's dtype, with no amax floor, "
                     "eps for a zero block and subnormal scales kept")
         return None

@@ -11,6 +11,28 @@ from .certify import Certificate, fmt_pct
 __all__ = ["render", "verdicts", "recorded_verdicts", "compare"]
 
 _MARK = "fp8ref-certify-verdicts"
+
+INSTALL = """## Installing the peers
+
+Everything below runs on a CPU with torch held at `constraints.txt` (a CPU build):
+
+```
+pip install -c constraints.txt -e ".[peers]"     # onnxruntime, onnx, torchao, compressed-tensors,
+                                                 # jax[cpu], optimum-quanto, nvidia-modelopt, triton
+pip install -c constraints.txt --no-deps "sglang==0.5.23" "vllm==0.33.0"
+pip install -c constraints.txt orjson pyzmq pybase64 starlette msgspec IPython aiohttp \\
+    pydantic pillow regex requests packaging tqdm transformers
+```
+
+SGLang and vLLM declare a CUDA torch and ~50 serving packages each; `--no-deps` plus the small
+packages on the last line (the minimal set their FP8 kernel modules import, found by importing them
+in a fresh virtual environment) is enough. jax 0.10.2 is the newest release for Python 3.11. Peers
+whose package is missing are listed as *not run here* with the exact missing piece.
+
+Regenerate this page with `fp8ref certify` (about 30 minutes on 2 cores: the Triton kernels run in
+the interpreter); `fp8ref certify --peer NAME --only CONTRACT` reproduces one result;
+`tests/test_peers.py` recomputes the onnxruntime and torchao rows in CI and fails when their verdicts
+no longer match this page."""
 _FAILING = ("fail", "error", "xpass")
 
 
@@ -96,7 +118,7 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
         out.append(f"| `{c.peer}` ({_md(c.project)}) | {c.version} | `{_md(c.entry)}` | {', '.join(c.ops)} | "
                    f"{_verdict(c)} | {_md(_failing(c))} | {_md(c.expressible)} | {_exact(c)} | {_md(c.declaration)} | "
                    f"{bits} | {rep.batch_invariant or 'n/a'} | {_md(c.non_finite)} | {_coverage(c)} |")
-    out += ["", "## Per implementation", ""]
+    out += ["", INSTALL, "", "## Per implementation", ""]
     for c in certs:
         rep = c.report
         out.append(f"### `{c.peer}`: {c.project} {c.version or '(not installed)'}")

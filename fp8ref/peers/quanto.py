@@ -26,17 +26,12 @@ from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme, Recipe
-from ._base import Peer
+from ._base import ModelDtypeScalesPeer, Peer
 
 __all__ = ["PEERS"]
 
 
-def _native(scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-    dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    return scheme.with_(amax_floor=0.0, scale_dtype=dt, scale_compute_dtype=dt, subnormal_scales=True)
-
-
-class QuantoQFloat8(Peer):
+class QuantoQFloat8(ModelDtypeScalesPeer):
     name = "quanto-qfloat8"
     project = "optimum-quanto"
     distribution = "optimum-quanto"
@@ -44,11 +39,6 @@ class QuantoQFloat8(Peer):
     modules = ("optimum.quanto",)
     notes = "s = amax/448 in w's dtype (no floor); codes = cast(clamp(w / s computed in w's dtype))"
     ops = ("quantize",)
-
-    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-        if scheme.format == E4M3FN and scheme.qmax == E4M3FN.max and not scheme.pow2_scale:
-            return _native(scheme, x_dtype)
-        return scheme
 
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)
@@ -58,7 +48,7 @@ class QuantoQFloat8(Peer):
             return "8-bit weights are quantized per tensor or per output channel (axis 0)"
         if s.granularity is Granularity.ROW and case.K == 1:
             return "quanto refuses per-axis quantization along an axis of size 1"
-        if not s.dynamic or s != _native(s, case.x_dtype):
+        if not s.dynamic or s != self.conventions(s, case.x_dtype):
             return "quanto computes and stores the scale in the input's dtype, with no amax floor"
         return None
 

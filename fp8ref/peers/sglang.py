@@ -79,6 +79,16 @@ class _SGLang:
     distribution = "sglang"
 
 
+class _SGLangGemm(_SGLang):
+    """The GEMM module's peers: the deep_gemm_wrapper stand-in goes in before the first import."""
+
+    def prepare(self) -> str | None:
+        reason = super().prepare()
+        if reason is None:
+            _stub_deep_gemm()
+        return reason
+
+
 class SGLangGroupQuant(_SGLang, GroupQuantPeer):
     name = "sglang-group-quant"
     entry = f"{_QUANT}.per_token_group_quant_fp8 (row-major scales)"
@@ -140,34 +150,22 @@ class SGLangMLATensorQuant(_SGLang, GroupQuantPeer):
         return self._quantized(q[0], s, scheme)
 
 
-class SGLangBlockGemm(_SGLang, BlockGemmPeer):
+class SGLangBlockGemm(_SGLangGemm, BlockGemmPeer):
     name = "sglang-block-gemm"
     entry = f"{_GEMM}.w8a8_block_fp8_matmul_triton"
     modules = (_GEMM,)
     notes = "per K tile acc += dot(a, b) * a_s * b_s (fp32); one rounding to out_dtype"
 
-    def prepare(self) -> str | None:
-        reason = super().prepare()
-        if reason is None:
-            _stub_deep_gemm()
-        return reason
-
     def _fn(self):
         return _gemm_module().w8a8_block_fp8_matmul_triton
 
 
-class SGLangScaledMM(_SGLang, ScaledMMPeer):
+class SGLangScaledMM(_SGLangGemm, ScaledMMPeer):
     name = "sglang-scaled-mm"
     entry = f"{_GEMM}.triton_scaled_mm"
     modules = (_GEMM,)
     output_roundings = 2  # bias added after the rounding to out_dtype
     notes = "acc = dot(a, b) fp32; (acc * sa * sb) rounded to out_dtype; + bias in out_dtype (second rounding)"
-
-    def prepare(self) -> str | None:
-        reason = super().prepare()
-        if reason is None:
-            _stub_deep_gemm()
-        return reason
 
     def _fn(self):
         return _gemm_module().triton_scaled_mm
