@@ -141,6 +141,8 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
                     detail += f" -- reproduce: `{r.reproduce.partition('  # or')[0]}`"
             elif r.message:
                 detail = r.message
+            if r.status in ("xfail", "xpass") and r.note:
+                detail = f"{r.note}. {detail}"
             ratio = "" if r.worst_ratio is None else f"{r.worst_ratio:.3g}"
             out.append(f"| {r.contract} | {r.status} | {r.examples} | {r.declined} | {ratio} | {_md(detail[:700])} |")
         out.append("")
