@@ -19,10 +19,10 @@ import tempfile
 import time
 
 import torch
-from fp8ref.linear import linear
 
 import fp8ref
 from fp8ref import select as sel
+from fp8ref.api import linear
 
 
 class NullBackend(fp8ref.Backend):

@@ -15,11 +15,11 @@ os.environ.setdefault("FP8REF_CACHE_DIR", tempfile.mkdtemp(prefix="fp8ref-first-
 import fp8ref  # noqa: E402
 from fp8ref import bench  # noqa: E402
 from fp8ref import select as sel  # noqa: E402
-from fp8ref.kernels import cpu_fp8  # noqa: E402
+from fp8ref.kernels import native  # noqa: E402
 
 
 def main() -> None:
-    cpu_fp8.native()  # load the extension once, outside the timings
+    native.get()  # load the extension once, outside the timings
     for K, N in bench.LLAMA3_8B_SHAPES:
         cells = []
         for M in (1, 16, 128, 1024):

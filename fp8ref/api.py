@@ -173,7 +173,7 @@ def _resolve_dispatch(entry: _WeightEntry, x: torch.Tensor, M: int, bias, backen
         STATS["prepare_weight"] += 1
         entry.prepared[b.name] = prepared
     d = _Dispatch(b, prepared, recipe.activation, decision is not None, None if decision is None else decision.key,
-                  _select._GENERATION[0])
+                  _select.generation())
     entry.dispatch[dkey] = d
     return d
 
@@ -237,7 +237,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     dkey = ((M - 1).bit_length() if M > 1 else 0, x.dtype, od, bias is None, backend, precision, x.device,
             _os.environ.get(_select.ENV_BACKEND), _os.environ.get(_select.ENV_CANDIDATES))
     d = e.dispatch.get(dkey)
-    if d is None or d.generation != _select._GENERATION[0]:
+    if d is None or d.generation != _select.generation():
         d = _resolve_dispatch(e, x, M, bias, backend, precision, od, dkey)
     elif bias is not None and bias.shape[0] != e.N:
         raise ValueError(f"bias must have shape ({e.N},), got {tuple(bias.shape)}")

@@ -315,13 +315,16 @@ def test_triton_unavailable_without_interpreter(monkeypatch):
 
 
 def test_cpu_fp8_unbuilt_is_unavailable_with_instructions(monkeypatch, tmp_path):
-    from fp8ref.kernels import cpu_fp8
+    from fp8ref.kernels import cpu_fp8, native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv("FP8REF_CPU_FP8", raising=False)
-    monkeypatch.setattr(cpu_fp8, "_module", None)
-    monkeypatch.setattr(cpu_fp8, "_error", None)
-    reason = cpu_fp8.CpuFp8Backend().available()
+    native.reset()
+    try:
+        reason = cpu_fp8.CpuFp8Backend().available()
+    finally:
+        monkeypatch.undo()
+        native.reset()
     assert reason is not None and ("python -m fp8ref.kernels.cpu_fp8" in reason or "needs" in reason)
 
 
@@ -383,7 +386,7 @@ def test_cpu_fp8_refuses_nan_codes():
 
 
 @pytest.mark.parametrize("mod", ["fp8ref.kernels._common", "fp8ref.kernels.torch_mm", "fp8ref.kernels.cpu",
-                                 "fp8ref.kernels.cpu_fp8",
+                                 "fp8ref.kernels.cpu_fp8", "fp8ref.kernels.native",
                                  "fp8ref.kernels.triton_kernels", "fp8ref.kernels.sgl"])
 def test_docstring_examples(mod):
     result = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)

@@ -5,7 +5,7 @@
 and ``Backend.linear`` — every one claims to compute the spec's expressions in the spec's order,
 so each is compared for *equal bits* (quantization, epilogue) or against the derived fp32 bound
 (GEMM, whose summation order is its own). Skipped with the reason when the extension is not built
-(``python -m fp8ref.kernels.cpu_fp8``).
+(``python -m fp8ref.kernels.cpu_fp8``; ``fp8ref.kernels.native`` loads it).
 """
 
 import math
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref.kernels import _common, cpu, cpu_fp8
+from fp8ref.kernels import _common, cpu, cpu_fp8, native
 from fp8ref.spec import bounds, gemm, quant
 from fp8ref.spec.formats import E4M3FN, E4M3FNUZ, E5M2
 from fp8ref.spec.schemes import QuantScheme
@@ -22,8 +22,8 @@ from fp8ref.spec.schemes import QuantScheme
 
 @pytest.fixture(scope="module")
 def mod():
-    cpu_fp8.reset_native()
-    m = cpu_fp8.native()
+    native.reset()
+    m = native.get()
     if m is None:
         pytest.skip(cpu_fp8.CpuFp8Backend().available() or "FP8REF_NATIVE=0")
     return m
@@ -151,28 +151,28 @@ def test_cpu_linear_native_equals_eager(mod, monkeypatch, name):
         x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
         w = be.prepare_weight(quant.quantize(torch.randn(N, K, generator=g), fp8ref.W8A8_FP8.weight))
         b = torch.randn(N, generator=g).to(torch.bfloat16) if bias else None
-        native = be.linear(x, w, b)
+        y_native = be.linear(x, w, b)
         monkeypatch.setenv("FP8REF_NATIVE", "0")
-        cpu_fp8.reset_native()
+        native.reset()
         try:
             eager = be.linear(x, w, b)
             two = be.scaled_mm(be.quantize(x, fp8ref.W8A8_FP8.activation), w, b)
         finally:
             monkeypatch.delenv("FP8REF_NATIVE")
-            cpu_fp8.reset_native()
-        assert torch.equal(native.view(torch.int16), eager.view(torch.int16))
-        assert torch.equal(native.view(torch.int16), two.view(torch.int16))
+            native.reset()
+        assert torch.equal(y_native.view(torch.int16), eager.view(torch.int16))
+        assert torch.equal(y_native.view(torch.int16), two.view(torch.int16))
 
 
 def test_native_off_switch(monkeypatch):
     monkeypatch.setenv("FP8REF_NATIVE", "0")
-    cpu_fp8.reset_native()
+    native.reset()
     try:
-        assert cpu_fp8.native() is None
+        assert native.get() is None
         assert _common.native_rows(torch.randn(2, 8), QuantScheme(), 0) is None
     finally:
         monkeypatch.delenv("FP8REF_NATIVE")
-        cpu_fp8.reset_native()
+        native.reset()
 
 
 def test_pack_weight_layout():

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 import warnings
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import fp8ref
 from fp8ref import select as sel
 from fp8ref.registry import Backend, Case
+from fp8ref.select import cache, timing
 
 L = sys.modules["fp8ref.api"]  # fp8ref.linear is the function; the module lives here
 CASE = Case(M=8, N=48, K=64, recipe=fp8ref.W8A8_FP8)
@@ -25,9 +25,10 @@ CASE = Case(M=8, N=48, K=64, recipe=fp8ref.W8A8_FP8)
 class _Clock:
     """The selector's clock in these tests: real time plus the fake backends' simulated delays.
 
-    A fake backend's delay is added to the clock instead of slept, so "t-slow is 2 ms slower"
-    holds exactly however loaded the machine is (``time.sleep`` overshoots by milliseconds under
-    load, which once turned a 1 ms vs 3 ms race around); real work still counts as real time.
+    A fake backend's delay is added to the clock instead of slept, so "t-slower takes 0.4 s more"
+    holds exactly however loaded the machine is, at no cost in wall time; the delays are chosen
+    far above the fakes' real work, which still counts and which a loaded 2-core machine
+    stretches to tens of milliseconds (1 ms vs 3 ms delays once lost to that noise).
     """
 
     def __init__(self) -> None:
@@ -104,13 +105,13 @@ class Unavailable(Good):
 def fakes(tmp_path, monkeypatch):
     """Register fake backends in an isolated cache dir; remove them afterwards."""
     monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.setattr(sel, "time", types.SimpleNamespace(perf_counter=CLOCK.perf_counter))
+    monkeypatch.setattr(timing, "clock", CLOCK.perf_counter)
     monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
     monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
     sel.clear_cache()
     made = {
         "good": Good("t-good"),
-        "slow": Good("t-slow", delay=0.002),
+        "slow": Good("t-slow", delay=0.2),
         "twice": ScaleTwice("t-twice"),
         "nan": NanOnZeroRow("t-nan"),
         "std": Good("t-std", output_roundings=2),
@@ -118,7 +119,12 @@ def fakes(tmp_path, monkeypatch):
     }
     for b in made.values():
         fp8ref.register_backend(b, replace=True)
+    # One torch thread: the fakes' real work is a few tiny ops, which two threads on a loaded
+    # 2-core machine turned into ~25 ms of spinning per call, drowning their simulated delays.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield made
+    torch.set_num_threads(threads)
     for b in made.values():
         fp8ref.unregister_backend(b.name)
     sel.clear_cache()
@@ -242,7 +248,7 @@ def test_bad_input_is_not_blamed_on_the_backend(fakes, monkeypatch):
     x[1, 3] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         fp8ref.linear(x, w)
-    assert not sel._FAILED
+    assert not cache._FAILED
 
 
 def test_memory_then_disk_then_probe(fakes):
@@ -308,7 +314,7 @@ def _writer(cache_dir: str, tag: str, n: int) -> None:
     for i in range(n):
         d = sel.Decision(key=f"{tag}-{i}", case="c", precision="standard", chosen="reference",
                          ranking=["reference"], rows=[sel.Row("reference", "exact")])
-        sel._write_disk(d.key, d)
+        cache.write_disk(d.key, d)
 
 
 def test_concurrent_writers_leave_valid_json(tmp_path):
@@ -356,16 +362,20 @@ def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
     """A burst of load during the fast backend's sequential timing window (simulated: its
     sequential median reads 2x too slow) must not hand the decision to the slower one: the
     interleaved run-off re-times both under the same conditions."""
-    fast, slow = Good("t-fast", delay=0.001), Good("t-slower", delay=0.003)
+    fast, slow = Good("t-fast", delay=0.2), Good("t-slower", delay=0.6)
     for b in (fast, slow):
         fp8ref.register_backend(b, replace=True)
-    real_time = sel._time
+    # budgets in simulated seconds, so that both fakes get several timed runs (a single-run median
+    # is not a contender) and a run-off of several rounds
+    monkeypatch.setattr(timing, "TIME_BUDGET_S", 5.0)
+    monkeypatch.setattr(timing, "RUNOFF_BUDGET_S", 10.0)
+    real_time = timing.time_backend
 
     def bursty(b, case, best, timers=None):
         med, runs, note = real_time(b, case, best, timers)
         return (med * 4 if b.name == "t-fast" else med), runs, note
 
-    monkeypatch.setattr(sel, "_time", bursty)
+    monkeypatch.setattr(timing, "time_backend", bursty)
     try:
         d = sel.select(CASE, candidates=["t-fast", "t-slower"], refresh=True)
     finally:
@@ -376,14 +386,15 @@ def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
     assert _row(d, "t-fast").median_s < _row(d, "t-slower").median_s
 
 
-def test_runoff_skips_backends_far_behind(fakes):
-    fast, slow = Good("t-fast", delay=0.0), Good("t-slower", delay=0.02)
+def test_runoff_skips_backends_far_behind(fakes, monkeypatch):
+    fast, slow = Good("t-fast", delay=0.4), Good("t-slower", delay=1.1)  # 2.75x: fully timed, > RUNOFF_FACTOR
     for b in (fast, slow):
         fp8ref.register_backend(b, replace=True)
+    monkeypatch.setattr(timing, "TIME_BUDGET_S", 10.0)  # several runs each: left out for the factor, not for one run
     try:
         d = sel.select(CASE, candidates=["t-fast", "t-slower"], refresh=True)
     finally:
         for b in (fast, slow):
             fp8ref.unregister_backend(b.name)
     assert d.chosen == "t-fast"
-    assert "run-off" not in _row(d, "t-slower").note
+    assert _row(d, "t-slower").runs > 1 and "run-off" not in _row(d, "t-slower").note

@@ -16,6 +16,7 @@ from ..spec import quant
 from ..spec.gemm import check_operands
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
+from . import native
 
 __all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_mm_args", "unwrap", "pad_last",
            "pad_weight", "zeros", "bias_fp32"]
@@ -96,13 +97,6 @@ def pad_weight(data: torch.Tensor, multiple: int) -> torch.Tensor:
     return out
 
 
-def native():
-    """The compiled CPU extension (``fp8ref.kernels.cpu_fp8.native``) or None."""
-    from .cpu_fp8 import native as _native  # lazy: cpu_fp8 imports this module
-
-    return _native()
-
-
 def native_format_args(scheme: QuantScheme) -> tuple[int, int, int, bool]:
     """``(mantissa bits, exponent of the smallest normal, bias, has -0)`` for ``quant_rows``."""
     f = scheme.format
@@ -118,14 +112,14 @@ def native_rows(x: torch.Tensor, scheme: QuantScheme, mode: int):
             or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or x.dim() != 2 or x.numel() == 0):
         return None
-    mod = native()
+    mod = native.get()
     if mod is None:
         return None
     return mod.quant_rows(x.contiguous(), scheme.qmax, scheme.amax_floor, *native_format_args(scheme), mode, True)
 
 
 def _fast_ok(scheme: QuantScheme) -> bool:
-    return scheme.dynamic and scheme.scale_dtype == torch.float32
+    return scheme.dynamic and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule
 
 
 def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:

@@ -47,7 +47,8 @@ from ..spec.bounds import Accumulation
 from ..spec.gemm import k_segments
 from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, native, native_rows, segment_scale, unwrap
+from . import native
+from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, native_rows, segment_scale, unwrap
 
 __all__ = ["CpuWideBackend", "compile_enabled"]
 
@@ -113,7 +114,7 @@ def _native_epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: 
     None where it does not apply (no extension; an output other than bf16/fp32)."""
     if out_dtype not in (torch.bfloat16, torch.float32) or y.dtype not in (torch.bfloat16, torch.float32):
         return None
-    mod = native()
+    mod = native.get()
     if mod is None:
         return None
     M, N = y.shape
@@ -202,6 +203,12 @@ class CpuWideBackend(Backend):
     def compile(self, value: bool | None) -> None:
         self._compile = value
 
+    def available(self) -> str | None:
+        # The extension is only a fast path here (eager torch computes the same bits), but with
+        # FP8REF_CPU_FP8=1 this check is where it gets built: before any probe or timed call.
+        native.prepare()
+        return None
+
     def supports(self, case: Case) -> str | None:
         if torch.device(case.device).type != "cpu":
             return f"{self.name} runs on CPU tensors only, the case is on {case.device}"
@@ -227,7 +234,7 @@ class CpuWideBackend(Backend):
         return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and scheme.granularity is Granularity.ROW and scheme.dynamic and not scheme.pow2_scale
-                and scheme.scale_dtype == torch.float32)
+                and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule)
 
     @staticmethod
     def _checked(x, q, s, amax, scheme) -> Quantized:

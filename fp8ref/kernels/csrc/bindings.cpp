@@ -1,0 +1,15 @@
+// The Python module of fp8ref's CPU extension (fp8ref.kernels.native loads it). torch/python.h
+// (pybind11 and its tensor conversions) rather than torch/extension.h, which adds the whole C++
+// frontend and doubles this file's compile time; the kernels include light ATen headers only.
+#include <torch/python.h>
+
+#include "fp8ref_cpu.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fp8ref's CPU kernels: cpu-fp8's E4M3FN GEMMs, the fused per-row quantizer, the scale epilogue";
+  m.def("fp8_e4m3_gemm", &fp8ref::fp8_e4m3_gemm);
+  m.def("fp8_e4m3_gemm_packed", &fp8ref::fp8_e4m3_gemm_packed);
+  m.def("has_bf16_dot", &fp8ref::has_bf16_dot);
+  m.def("quant_rows", &fp8ref::quant_rows);
+  m.def("scale_epilogue", &fp8ref::scale_epilogue);
+}

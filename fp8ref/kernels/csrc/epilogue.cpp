@@ -1,0 +1,80 @@
+// The scale epilogue of the wide-GEMM CPU backends (cpu-bf16, cpu-fp32), fused into one pass.
+//
+// out[m, n] = round((y[m, n] * sa[m]) * sb[n] (+ bias[n])), all in fp32, rounded once to bf16 (or
+// kept fp32): the eager epilogue's expression order, so the result is bit-identical to it (as long
+// as the compiler does not contract the multiply-add: -ffp-contract=off).
+#include <algorithm>
+
+#include "fp8ref_cpu.h"
+
+namespace fp8ref {
+namespace {
+
+// One row: out[n] = round((y[n] * sa) * sb[n] (+ bias[n])) for n in [n0, n1).
+void epi_row_scalar(const void* y, bool in_bf16, float sa, const float* sb, const float* bias, void* out,
+                    bool out_bf16, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float v = load_one(y, n, in_bf16 ? 1 : 0);
+    v = v * sa;
+    v = v * sb[n];
+    if (bias) v = v + bias[n];
+    if (out_bf16) ((uint16_t*)out)[n] = bf16_bits(v);
+    else ((float*)out)[n] = v;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw"))) void epi_row_avx512(const void* y, bool in_bf16, float sa,
+                                                                 const float* sb, const float* bias, void* out,
+                                                                 bool out_bf16, int64_t n0, int64_t n1) {
+  const __m512 va = _mm512_set1_ps(sa);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    __m512 v = _mm512_mul_ps(load16(y, n, in_bf16 ? 1 : 0), va);
+    v = _mm512_mul_ps(v, _mm512_loadu_ps(sb + n));
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+    if (out_bf16) {  // RNE to bf16 in integers (bf16_bits, 16 lanes); NaN stays NaN
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i hi = _mm512_srli_epi32(u, 16);
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(hi, one))), 16);
+      r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_or_si512(hi, quiet));
+      _mm256_storeu_si256((__m256i*)((uint16_t*)out + n), _mm512_cvtepi32_epi16(r));
+    } else {
+      _mm512_storeu_ps((float*)out + n, v);
+    }
+  }
+  epi_row_scalar(y, in_bf16, sa, sb, bias, out, out_bf16, n, n1);
+}
+
+}  // namespace
+
+// y is the wide GEMM's bf16 or fp32 output; when its dtype is the output's, the result is written
+// over it (the caller owns y).
+at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
+                          bool out_bf16) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "y must be a contiguous 2-D tensor");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "y must be fp32/bf16");
+  const int64_t M = y.size(0), N = y.size(1);
+  TORCH_CHECK(sa.numel() == M && sb.numel() == N && (!has_bias || bias.numel() == N), "scale sizes");
+  const bool in_bf16 = y.scalar_type() == at::kBFloat16;
+  at::Tensor out = in_bf16 == out_bf16 ? y : at::empty({M, N}, at::dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  const float* sap = sa.data_ptr<float>();
+  const float* sbp = sb.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  const char* yp = (const char*)y.data_ptr();
+  char* op = (char*)out.data_ptr();
+  const int64_t ysz = y.element_size(), osz = out.element_size();
+  const bool avx = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  // Work items are (row, chunk of up to 4096 columns): rows in parallel, and long rows split too.
+  const int64_t C = 4096, chunks = (N + C - 1) / C;
+  at::parallel_for(0, M * chunks, std::max<int64_t>(1, 16384 / std::min(N, C)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / chunks, n0 = (i % chunks) * C, n1 = std::min(N, n0 + C);
+      if (avx) epi_row_avx512(yp + m * N * ysz, in_bf16, sap[m], sbp, bp, op + m * N * osz, out_bf16, n0, n1);
+      else epi_row_scalar(yp + m * N * ysz, in_bf16, sap[m], sbp, bp, op + m * N * osz, out_bf16, n0, n1);
+    }
+  });
+  return out;
+}
+
+}  // namespace fp8ref

@@ -1,0 +1,70 @@
+// fp8ref's CPU extension: the entry points bound in bindings.cpp (one .cpp file per job) and the
+// loads and stores that the quantizer and the epilogue share.
+//
+// Built by fp8ref/kernels/native.py with torch.utils.cpp_extension.load and the flags
+// -O3 -fopenmp -ffp-contract=off. The last one is load-bearing: without it GCC fuses v * s + b
+// into one FMA (one rounding instead of two), and the epilogue is no longer bit-identical to the
+// eager torch code (tests/test_native.py). Every AVX-512 function carries its own target
+// attribute and runs only after a __builtin_cpu_supports check, so one build serves every x86-64
+// CPU: the scalar loops are the fallback.
+#pragma once
+
+// The light ATen headers, not ATen/ATen.h: every translation unit compiles in about half the time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace fp8ref {
+
+// gemm.cpp: out[m, n] = (acc * 2^16) * sa[m] * sb[n] (+ bias[n]) in fp32, from E4M3FN codes.
+at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias);
+
+// gemm_packed.cpp: the same from a weight packed as [N/16, K/2, 16, 2] (avx512_bf16 only).
+bool has_bf16_dot();
+at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
+                                at::Tensor sb, at::Tensor bias, bool has_bias);
+
+// quant.cpp: per-row dynamic quantization, bit-identical to fp8ref.spec.quant.quantize.
+std::vector<at::Tensor> quant_rows(at::Tensor x, double qmax, double floor, int64_t mant, int64_t emin,
+                                   int64_t bias, bool negzero, int64_t mode, bool vector);
+
+// epilogue.cpp: out = round((y * sa[m]) * sb[n] (+ bias[n])), the eager epilogue's order.
+at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
+                          bool out_bf16);
+
+// Element i of a row of fp32 (t = 0), bf16 (t = 1) or fp16 (t = 2), widened exactly to fp32.
+static inline float load_one(const void* p, int64_t i, int t) {
+  if (t == 0) return ((const float*)p)[i];
+  const uint16_t h = ((const uint16_t*)p)[i];
+  if (t == 1) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Elements i .. i + 15 of the same, widened exactly to fp32.
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 load16(const void* p, int64_t i, int t) {
+  if (t == 0) return _mm512_loadu_ps((const float*)p + i);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+  if (t == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+// The bf16 bits of f, rounded to nearest even; NaN stays NaN (c10::BFloat16's rounding).
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace fp8ref

@@ -1,0 +1,62 @@
+"""The selector: ``fp8ref.linear(..., backend="auto")`` runs the fastest *compliant* backend.
+
+For one case (device, dtypes, recipe, N, K and a power-of-two bucket of M) the selector takes the
+registered backends that are available, support the case and belong to a precision class the
+caller admits; runs each through a compliance probe against the spec's bounds at this shape;
+times the compliant ones; and picks the fastest. A backend that fails the probe is never chosen,
+however fast. Lookup order (docs/selection.md): in-memory dict -> on-disk JSON cache -> probe and
+time.
+
+One module per job; this face re-exports the public names. Inside, imports flow from ``keys``,
+``decision`` and ``inputs`` to ``timing``, ``compliance`` and ``cache``, and from all of them to
+``selector``. The package imports the spec and the registry, never a backend module or anything
+above it; ``fp8ref.api`` (``fp8ref.linear``) imports it.
+
+- ``keys``: the cache key (M bucket, device name, versions, candidates' declarations);
+- ``decision``: ``Decision``, ``Row``, ``ProbeResult`` and the two errors;
+- ``inputs``: the probe's random and adversarial rows;
+- ``compliance``: the probe itself (``probe``);
+- ``timing``: medians, the interleaved run-off, the selector's clock;
+- ``cache``: memory, disk and run-time failure marks;
+- ``selector``: candidates, the selection run, ``select`` and ``resolve``.
+
+Environment variables
+---------------------
+FP8REF_BACKEND
+    Force this backend wherever ``backend="auto"`` (it must be able to run: otherwise the call
+    raises; it never falls back silently).
+FP8REF_CANDIDATES
+    Comma-separated backend names: restrict "auto" to these (the reference is always added, as
+    the fallback that is always able).
+FP8REF_CACHE_DIR
+    Directory of the on-disk cache (default ``~/.cache/fp8ref``).
+"""
+
+from .cache import CACHE_SCHEMA, ENV_CACHE_DIR, cache_file, clear_cache, generation, mark_failed
+from .compliance import probe
+from .decision import BackendUnavailableError, Decision, NoCompliantBackendError, ProbeResult, Row
+from .keys import device_name, m_bucket, selection_key
+from .selector import DEFAULT_PRECISION, ENV_BACKEND, ENV_CANDIDATES, resolve, select
+
+__all__ = [
+    "DEFAULT_PRECISION",
+    "ENV_BACKEND",
+    "ENV_CANDIDATES",
+    "ENV_CACHE_DIR",
+    "CACHE_SCHEMA",
+    "Decision",
+    "ProbeResult",
+    "Row",
+    "NoCompliantBackendError",
+    "BackendUnavailableError",
+    "m_bucket",
+    "device_name",
+    "selection_key",
+    "select",
+    "resolve",
+    "probe",
+    "cache_file",
+    "clear_cache",
+    "generation",
+    "mark_failed",
+]

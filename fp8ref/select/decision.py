@@ -1,0 +1,112 @@
+"""What the selector answers: a ``Decision`` (the chosen backend, the fallback ranking and the
+table of ``Row``s behind it), a ``ProbeResult``, and the two errors it raises."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["Row", "Decision", "ProbeResult", "NoCompliantBackendError", "BackendUnavailableError"]
+
+
+class NoCompliantBackendError(RuntimeError):
+    """No backend meets the required precision class and the probe (cannot happen while the
+    reference is registered, since it is exact)."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly named (or FP8REF_BACKEND-forced) backend cannot run this case."""
+
+
+@dataclass
+class Row:
+    """One line of the table behind a decision."""
+
+    backend: str
+    precision: str
+    available: str | None = None  #: None, or why the backend cannot run here
+    supported: str | None = None  #: None, or why it does not take this case
+    admitted: bool = False  #: its precision class meets the requirement
+    compliant: bool | None = None  #: None when not probed
+    worst_ratio: float | None = None  #: max over the probe of error / bound (<= 1 to comply)
+    ratios: dict[str, float] = field(default_factory=dict)  #: worst ratio per check
+    detail: str = ""  #: where the worst ratio came from, or the probe's failure
+    estimate_s: float | None = None  #: full-shape time extrapolated from the probe's calls
+    median_s: float | None = None
+    runs: int = 0
+    note: str = ""
+    chosen: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.available is not None:
+            return f"unavailable: {self.available}"
+        if self.supported is not None:
+            return f"unsupported: {self.supported}"
+        if not self.admitted:
+            return "outside required class"
+        if self.compliant is None:
+            return "not probed"
+        return "compliant" if self.compliant else "NON-COMPLIANT"
+
+
+@dataclass
+class Decision:
+    """What the selector chose for a key, with the table behind it."""
+
+    key: str
+    case: str
+    precision: str
+    chosen: str
+    ranking: list[str]  #: compliant backends, fastest first (the fallback order)
+    rows: list[Row] = field(default_factory=list)
+    source: str = "probe"  #: "memory", "disk", "probe" or "forced"
+    seconds: float = 0.0  #: time the probe-and-time step took
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("source")
+        return d
+
+    @classmethod
+    def from_json(cls, key: str, d: dict[str, Any]) -> Decision:
+        names = {f.name for f in fields(Row)}
+        rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in d["rows"]]
+        return cls(key=key, case=str(d["case"]), precision=str(d["precision"]), chosen=str(d["chosen"]),
+                   ranking=[str(n) for n in d["ranking"]], rows=rows, source="disk",
+                   seconds=float(d.get("seconds", 0.0)))
+
+    def table(self) -> str:
+        """The decision as a fixed-width text table."""
+        head = (f"{'backend':16} {'class':9} {'status':32} {'err/bound q/mm':>20} {'median':>11} "
+                f"{'chosen':>6}")
+        lines = [f"case {self.case}  precision>={self.precision}  (source: {self.source}, "
+                 f"selection took {self.seconds:.2f} s)", head, "-" * len(head)]
+        for r in self.rows:
+            ratio = "/".join(f"{r.ratios.get(k, math.nan):.2g}" for k in ("quantize", "scaled_mm")) \
+                if r.ratios else ("" if r.worst_ratio is None else f"{r.worst_ratio:.3g}")
+            med = f"{r.median_s * 1e3:.3f} ms" if r.median_s is not None else ("-" if r.compliant else "")
+            lines.append(f"{r.backend:16} {r.precision:9} {r.status[:32]:32} {ratio:>20} {med:>11} "
+                         f"{'  <==' if r.chosen else '':>6}")
+        notes = [f"  {r.backend}: {r.note or r.detail}" for r in self.rows if (r.note or r.detail)
+                 and (r.compliant is False or r.note)]
+        if notes:
+            lines.append("notes:")
+            lines.extend(notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@dataclass
+class ProbeResult:
+    """Outcome of the compliance probe of one backend at one case."""
+
+    compliant: bool
+    worst_ratio: float
+    detail: str
+    call_seconds: float  #: time of one warm ``Backend.linear`` call at the probe's shape
+    call_elements: int  #: M * N of one such call
+    ratios: dict[str, float] = field(default_factory=dict)  #: worst error/bound per check

@@ -1,0 +1,238 @@
+"""The selector itself: which backends are candidates, the run that probes, times and ranks them,
+the lookup order, and what forcing a backend means.
+
+``select`` looks a decision up in memory, then on disk (``cache``), and only then runs the
+selection: every available candidate that supports the case at both ends of its M bucket and
+belongs to an admitted precision class is probed (``compliance``), the compliant ones are timed
+(``timing``), and the fastest wins; the others are the fallback ranking, the reference last.
+``resolve`` is what ``fp8ref.linear`` calls: an explicit name, ``FP8REF_BACKEND``, or ``select``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+from ..registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend
+from ..spec.bounds import PrecisionClass
+from . import cache, timing
+from .compliance import ProbeSet, probe, probe_shapes
+from .decision import BackendUnavailableError, Decision, NoCompliantBackendError, ProbeResult, Row
+from .keys import available_reason, bucket_lo, m_bucket, selection_key
+
+__all__ = ["DEFAULT_PRECISION", "ENV_BACKEND", "ENV_CANDIDATES", "select", "resolve"]
+
+#: Default required precision class. The FP8 quantization error of a W8A8 linear is ~4e-2
+#: relative (e4m3: u = 2**-4 per operand); a second bf16 rounding adds at most 2**-8 ~ 3.9e-3 and
+#: ~7e-4 typically, so "standard" (fp32 accumulation, up to two roundings) loses nothing a user
+#: of FP8 could notice, while admitting the fast CPU bf16 path. See docs/selection.md.
+DEFAULT_PRECISION = "standard"
+ENV_BACKEND = "FP8REF_BACKEND"
+ENV_CANDIDATES = "FP8REF_CANDIDATES"
+
+
+def _candidates(names: list[str] | tuple[str, ...] | None) -> list[Backend]:
+    _ensure_loaded()
+    if names is None:
+        env = os.environ.get(ENV_CANDIDATES)
+        names = [n.strip() for n in env.split(",") if n.strip()] if env else None
+    if names is None:
+        return list(_REGISTRY.values())
+    out = [get_backend(n) for n in names]
+    if not any(b.name == "reference" for b in out):
+        out.append(get_backend("reference"))
+    return out
+
+
+def _case_variants(case: Case) -> list[Case]:
+    """The Ms at which ``supports`` must hold: both ends of the bucket."""
+    b = m_bucket(case.M)
+    return [Case(M=m, N=case.N, K=case.K, recipe=case.recipe, x_dtype=case.x_dtype, out_dtype=case.out_dtype,
+                 device=case.device, has_bias=case.has_bias) for m in sorted({bucket_lo(b), b})]
+
+
+def _supports(backend: Backend, case: Case) -> str | None:
+    mp, n_probe = probe_shapes(case)
+    variants = _case_variants(case)
+    variants.append(Case(M=mp, N=n_probe, K=case.K, recipe=case.recipe, x_dtype=case.x_dtype,
+                         out_dtype=case.out_dtype, device=case.device, has_bias=case.has_bias))
+    for c in variants:
+        try:
+            reason = decline_reason(backend, c)
+        except Exception as exc:
+            return f"supports() raised {exc!r}"
+        if reason is not None:
+            return reason if c.M == case.M or c is variants[0] else f"{reason} (at M={c.M}, N={c.N})"
+    return None
+
+
+def _check_precision(precision: str | PrecisionClass) -> str:
+    try:
+        return PrecisionClass(precision).value
+    except ValueError:
+        raise ValueError(f"precision must be one of {[p.value for p in PrecisionClass]}, got {precision!r}") from None
+
+
+def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -> Decision:
+    t_start = timing.clock()
+    req = PrecisionClass(precision)
+    rows: list[Row] = []
+    probed: list[tuple[Backend, Row, ProbeResult]] = []
+    probe_set: ProbeSet | None = None
+    for b in cands:
+        row = Row(backend=b.name, precision=b.precision.value)
+        rows.append(row)
+        row.available = available_reason(b)
+        if row.available is not None:
+            continue
+        row.supported = _supports(b, case)
+        if row.supported is not None:
+            continue
+        row.admitted = req.admits(b.precision)
+        if not row.admitted:
+            row.note = f"class {b.precision.value} not admitted by precision={precision}"
+            continue
+        if type(b).__module__ == "fp8ref.kernels.reference" and b.name == "reference":
+            # The spec itself: probing it compares it with itself (and costs the most, float64).
+            row.compliant, row.detail, row.estimate_s = True, "the spec (compliant by definition, not probed)", math.inf
+            probed.append((b, row, None))
+            continue
+        if probe_set is None:
+            probe_set = ProbeSet(case)
+        res = probe(b, case, _set=probe_set)
+        row.compliant, row.worst_ratio, row.detail = res.compliant, res.worst_ratio, res.detail
+        row.ratios = res.ratios
+        if res.compliant:
+            mt = min(m_bucket(case.M), timing.TIME_M_CAP)
+            row.estimate_s = res.call_seconds * (mt * case.N) / max(res.call_elements, 1)
+            probed.append((b, row, res))
+    if not probed:
+        raise NoCompliantBackendError(f"no backend is compliant at {case.short_str()} with precision>={precision}:\n"
+                                      + Decision(key, case.short_str(), precision, "", [], rows).table())
+    if len(probed) > 1:
+        best: float | None = None
+        timers: dict[str, Callable[[], float]] = {}
+        for b, row, _ in sorted(probed, key=lambda t: t[1].estimate_s):
+            if b.name == "reference":
+                # The spec computes in float64 and is never faster than a real kernel: it is the
+                # last-resort fallback, ranked last without spending the timing budget on it.
+                row.note = "not timed: the reference is the fallback, ranked last"
+                continue
+            if best is not None and row.estimate_s > timing.SKIP_FACTOR * best:
+                row.note = f"not timed: estimated {row.estimate_s:.3g} s > {timing.SKIP_FACTOR:g}x best"
+                continue
+            try:
+                row.median_s, row.runs, row.note = timing.time_backend(b, case, best, timers)
+            except Exception as exc:
+                row.note = f"timing raised {type(exc).__name__}: {exc}"
+                row.compliant = False
+                continue
+            best = row.median_s if best is None else min(best, row.median_s)
+        if best is not None:
+            close = [(b, row) for b, row, _ in probed if row.compliant and row.median_s is not None
+                     and row.runs > 1 and row.median_s <= timing.RUNOFF_FACTOR * best]
+            if len(close) > 1:
+                try:
+                    timing.runoff(close, case, timers)
+                except Exception as exc:  # keep the sequential medians; say why
+                    for _, row in close:
+                        row.note = (row.note + "; " if row.note else "") + f"run-off raised {exc!r}"
+    ranked = sorted((r for _, r, _ in probed if r.compliant),
+                    key=lambda r: (len(probed) > 1 and r.backend == "reference", r.median_s is None,
+                                   r.median_s if r.median_s is not None else r.estimate_s))
+    if not ranked:
+        raise NoCompliantBackendError(f"every compliant backend failed timing at {case.short_str()}")
+    ranked[0].chosen = True
+    return Decision(key=key, case=case.short_str(), precision=precision, chosen=ranked[0].backend,
+                    ranking=[r.backend for r in ranked], rows=rows, source="probe",
+                    seconds=timing.clock() - t_start)
+
+
+def select(case: Case, precision: str | PrecisionClass = DEFAULT_PRECISION, *,
+           candidates: list[str] | tuple[str, ...] | None = None, refresh: bool = False) -> Decision:
+    """The fastest compliant backend for ``case`` (looked up in memory, then on disk, then probed).
+
+    Parameters
+    ----------
+    case : Case
+        The problem; its M is reduced to its power-of-two bucket.
+    precision : str or PrecisionClass
+        Required class: ``exact`` < ``strict`` < ``standard`` (default) < ``fast``.
+    candidates : sequence of str, optional
+        Restrict to these backends (``FP8REF_CANDIDATES`` otherwise); the reference is always added.
+    refresh : bool
+        Ignore both caches and probe again (the result is stored again).
+
+    Returns
+    -------
+    Decision
+        ``chosen``, the fallback ``ranking`` and the table ``rows``; ``source`` says where it came from.
+
+    Examples
+    --------
+    >>> import fp8ref
+    >>> from fp8ref.select import select
+    >>> d = select(fp8ref.Case(M=8, N=32, K=64, recipe=fp8ref.W8A8_FP8), candidates=["reference"])
+    >>> d.chosen
+    'reference'
+    """
+    precision = _check_precision(precision)
+    cands = _candidates(candidates)
+    key = selection_key(case, precision, cands)
+    if not refresh:
+        d = cache.recall(key)
+        if d is not None:
+            d.source = "memory"
+            return d
+        d = cache.lookup_disk(key)
+        if d is not None and all(n in _REGISTRY for n in d.ranking):
+            cache.remember(key, d)
+            return d
+    d = _run_selection(case, precision, cands, key)
+    cache.remember(key, d)
+    cache.write_disk(key, d)
+    return d
+
+
+def _forced(name: str, case: Case, precision: str, origin: str) -> Backend:
+    try:
+        b = get_backend(name)
+    except KeyError as exc:
+        raise BackendUnavailableError(f"{origin}: {exc.args[0]}") from None
+    reason = available_reason(b)
+    if reason is not None:
+        raise BackendUnavailableError(f"{origin}: backend {name!r} is not available here: {reason}")
+    for c in _case_variants(case):
+        reason = decline_reason(b, c)
+        if reason is not None:
+            raise BackendUnavailableError(f"{origin}: backend {name!r} does not support {c.short_str()}: {reason}")
+    if not PrecisionClass(precision).admits(b.precision):
+        raise BackendUnavailableError(f"{origin}: backend {name!r} is in class {b.precision.value}, outside the "
+                                      f"required precision={precision!r}; pass precision={b.precision.value!r} "
+                                      "to accept it")
+    return b
+
+
+def resolve(case: Case, backend: str = "auto", precision: str | PrecisionClass = DEFAULT_PRECISION, *,
+            candidates: list[str] | tuple[str, ...] | None = None) -> tuple[Backend, Decision | None]:
+    """The backend that runs ``case``: an explicit name, ``FP8REF_BACKEND``, or the selector.
+
+    An explicit or forced backend that cannot run (unknown, unavailable, unsupported case,
+    outside the precision class) raises ``BackendUnavailableError``: never a silent fallback.
+    Under "auto", backends marked failed at run time for this key are skipped.
+    """
+    precision = _check_precision(precision)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")
+    if backend != "auto":
+        return _forced(backend, case, precision, f"backend={backend!r}"), None
+    env = os.environ.get(ENV_BACKEND)
+    if env and env != "auto":
+        return _forced(env, case, precision, f"{ENV_BACKEND}={env!r}"), None
+    d = select(case, precision, candidates=candidates)
+    for name in d.ranking:
+        if not cache.is_failed(name, d.key) and name in _REGISTRY:
+            return _REGISTRY[name], d
+    # Every ranked backend failed at run time: the reference is the spec and always able.
+    return get_backend("reference"), d
