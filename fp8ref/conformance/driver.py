@@ -61,12 +61,12 @@ def _blob(exc: BaseException) -> str | None:
 def _profile_for(backend: Backend, prof: Profile) -> Profile:
     """The profile for ``backend``: a backend that pays per element (the Triton interpreter) sets
     ``conformance_max_elems``; it then gets operands of at most that many elements and hint/128
-    rows (such kernels also pay per row program), the secondary contracts run every third sweep
+    rows (such kernels also pay per row program), the secondary contracts run every fourth sweep
     item, and the search runs ``slow_examples`` examples per contract (a count, never a time: the
     verdict must not depend on the machine's speed). The report says so."""
     hint = getattr(backend, "conformance_max_elems", None)
     if isinstance(hint, int) and 0 < hint < prof.max_elems:
-        return prof.with_(max_elems=hint, max_rows=min(prof.max_rows, max(1, hint // 128)), sweep_stride=3,
+        return prof.with_(max_elems=hint, max_rows=min(prof.max_rows, max(1, hint // 128)), sweep_stride=4,
                           max_examples=min(prof.max_examples, prof.slow_examples))
     return prof
 
