@@ -361,3 +361,41 @@ def test_pytest_properties_applies_the_ledger_strictly(tmp_path):
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "XPASS(strict)" in proc.stdout and "example.org/issue/1" in proc.stdout
+
+
+def test_ci_verdicts_do_not_depend_on_the_clock(monkeypatch):
+    """ci is bounded by counts only: a clock that jumps an hour per reading (a very slow machine)
+    runs the same examples and gives the same report as the real one."""
+    import itertools
+
+    from fp8ref.conformance import driver
+
+    assert get_profile("ci").time_budget_s is None
+    args = (Fp32Base(), "ci")
+    kw = dict(seed=0, contracts=["quantize.sign_symmetry", "scaled_mm.sign_symmetry"])
+    real = check(*args, **kw)
+    ticks = itertools.count(0, 3600.0)
+    monkeypatch.setattr(driver.time, "perf_counter", lambda: float(next(ticks)))
+    slow = check(*args, **kw)
+    assert real.passed and slow.passed
+    def counts(rep):
+        return [(r.examples, r.sweep, r.note) for r in rep.results]
+
+    assert counts(real) == counts(slow)
+    assert all(r.examples > r.sweep > 0 for r in real.results)
+
+
+def test_a_per_element_backend_gets_fewer_examples_not_less_time():
+    """A backend that pays per element (``conformance_max_elems``) gets a count of search examples
+    and a thinned sweep for its secondary contracts, never a time budget, in ci."""
+    from fp8ref.conformance.driver import _profile_for
+
+    class Slow(Fp32Base):
+        name = "slow-per-element"
+        conformance_max_elems = 2048
+
+    ci = get_profile("ci")
+    eff = _profile_for(Slow(), ci)
+    assert eff.time_budget_s is None and eff.max_examples == ci.slow_examples < ci.max_examples
+    assert eff.max_elems == 2048 and eff.sweep_stride > 1
+    assert _profile_for(Fp32Base(), ci) == ci
