@@ -326,7 +326,7 @@ def test_declared_accumulation_respected():
 
 
 @pytest.mark.parametrize("name", ["fp8ref.conformance.driver", "fp8ref.conformance.probe",
-                                  "fp8ref.conformance.problems", "fp8ref.conformance.sweep",
+                                  "fp8ref.conformance.values", "fp8ref.conformance.sweep",
                                   "fp8ref.conformance.scope", "fp8ref.conformance.profiles",
                                   "fp8ref.conformance.peers"])
 def test_docstring_examples_run(name):
