@@ -139,6 +139,8 @@ class JaxMXFP8(Peer):
         s = self._case_scheme(case)
         if s.granularity is not Granularity.GROUP or s.group_size != _MX_BLOCK:
             return "MXFP8 quantizes 1 x 32 blocks"
+        if not s.dynamic:
+            return "dynamic scales only (the quantizer computes its E8M0 scales)"
         if s.format != E4M3FN or s.qmax != E4M3FN.max:
             return "the mxfp8 config's data type is e4m3fn (clamped at 448)"
         if case.K % _MX_BLOCK:

@@ -132,6 +132,8 @@ class SGLangMLATensorQuant(_SGLang, GroupQuantPeer):
         s = self._case_scheme(case)
         if s.granularity.value != "tensor":
             return "per-tensor scale only"
+        if not s.dynamic:
+            return "dynamic scales only (the kernel computes its scale)"
         if s.format.name != "e4m3fn" or s.qmax != s.format.max:
             return "e4m3fn clamped at 448 only (the module's fp8 dtype on a CPU)"
         if s.amax_floor <= 0:
