@@ -18,7 +18,7 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
-__all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_mm_args", "unwrap", "pad_last",
+__all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_mm_args", "empty_result", "unwrap", "pad_last",
            "pad_weight", "zeros", "bias_fp32"]
 
 
@@ -46,9 +46,20 @@ def unwrap(b: Quantized, backend: str) -> tuple[Quantized, dict[str, Any]]:
 
 
 def check_mm_args(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
-    """The argument checks of the reference ``scaled_mm`` (same exceptions, same messages), without
-    the bias's NaN/Inf scan on the hot path."""
-    check_operands(a, b, bias, out_dtype, finite_bias=False)
+    """The argument checks of the reference ``scaled_mm`` (same exceptions, same messages), the
+    bias's NaN/Inf scan included: the spec raises there, and a kernel would return NaN columns
+    (N elements, a negligible cost next to the GEMM)."""
+    check_operands(a, b, bias, out_dtype)
+
+
+def empty_result(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The reference's result when there is nothing to compute (M = 0 or N = 0: an empty
+    ``[M, N]`` tensor), else None. Call it after ``check_mm_args``, before any kernel: a kernel
+    launched on an empty operand may divide by zero or concatenate an empty list."""
+    M, N = a.data.shape[0], b.data.shape[0]
+    if M and N:
+        return None
+    return torch.empty(M, N, dtype=out_dtype, device=a.data.device)
 
 
 def bias_fp32(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

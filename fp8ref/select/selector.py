@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
+
+import torch
 
 from ..registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend
 from ..spec.bounds import PrecisionClass
+from ..spec.gemm import OUT_DTYPES
+from ..spec.schemes import Recipe
 from . import cache, timing
 from .compliance import ProbeSet, probe, probe_shapes
 from .decision import BackendUnavailableError, Decision, NoCompliantBackendError, ProbeResult, Row
 from .keys import available_reason, bucket_lo, m_bucket, selection_key
 
-__all__ = ["DEFAULT_PRECISION", "ENV_BACKEND", "ENV_CANDIDATES", "select", "resolve"]
+__all__ = ["DEFAULT_PRECISION", "ENV_BACKEND", "ENV_CANDIDATES", "X_DTYPES", "check_case", "select", "resolve"]
+
+#: Activation dtypes a case may have: the reference quantizer's inputs
+#: (``fp8ref.spec.quant.check_float_input``; tests/test_reliability_messages.py keeps them equal).
+X_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 #: Default required precision class. The FP8 quantization error of a W8A8 linear is ~4e-2
 #: relative (e4m3: u = 2**-4 per operand); a second bf16 rounding adds at most 2**-8 ~ 3.9e-3 and
@@ -64,6 +73,52 @@ def _supports(backend: Backend, case: Case) -> str | None:
             return f"supports() raised {exc!r}"
         if reason is not None:
             return reason if c.M == case.M or c is variants[0] else f"{reason} (at M={c.M}, N={c.N})"
+    return None
+
+
+def check_case(case: Case) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the field of ``case`` that no backend can be selected
+    for: M < 0, N < 0, K < 1, a non-float ``x_dtype``, an ``out_dtype`` outside ``OUT_DTYPES``, a
+    recipe that is not a ``Recipe``. (``fp8ref.linear`` checks the caller's tensors before it
+    builds a case; this guards ``select``, ``resolve`` and ``fp8ref select``.)"""
+    if not isinstance(case, Case):
+        raise TypeError(f"case must be an fp8ref.Case, got {type(case).__name__}")
+    for field, low in (("M", 0), ("N", 0), ("K", 1)):
+        v = getattr(case, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"Case.{field} must be an int >= {low}, got {v!r}"
+                             + (" (the reduction dim K must be at least 1)" if field == "K" else ""))
+    if not isinstance(case.recipe, Recipe):
+        raise TypeError(f"Case.recipe must be an fp8ref.Recipe, got {type(case.recipe).__name__}")
+    if case.x_dtype not in X_DTYPES:
+        raise TypeError(f"Case.x_dtype must be one of {[str(d) for d in X_DTYPES]}, got {case.x_dtype}")
+    if case.out_dtype not in OUT_DTYPES:
+        raise TypeError(f"Case.out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {case.out_dtype}")
+
+
+def _empty_output(case: Case, precision: str, key: str) -> Decision:
+    """N = 0: the output ``[M, 0]`` is empty, so there is nothing to probe, time or compare; every
+    backend returns the reference's empty result, and the reference is named."""
+    row = Row(backend="reference", precision=get_backend("reference").precision.value, admitted=True, compliant=True,
+              detail="the spec", note="N = 0: the output is empty, nothing to probe or time", chosen=True)
+    return Decision(key=key, case=case.short_str(), precision=precision, chosen="reference", ranking=["reference"],
+                    rows=[row], source="probe")
+
+
+def _stale_reason(d: Decision, precision: str) -> str | None:
+    """Why a decision read from disk cannot be used as it is for ``precision`` (None if it can):
+    the file is a cache, not a trusted input, so what the selector would never choose is re-checked."""
+    if not d.ranking or d.chosen != d.ranking[0]:
+        return f"chosen {d.chosen!r} is not first of its ranking {d.ranking}"
+    if d.precision != precision:
+        return f"it was made for precision={d.precision!r}"
+    req = PrecisionClass(precision)
+    for name in d.ranking:
+        b = _REGISTRY.get(name)
+        if b is None:
+            return f"backend {name!r} is not registered"
+        if not req.admits(b.precision):
+            return f"backend {name!r} is in class {b.precision.value}, outside precision={precision!r}"
     return None
 
 
@@ -177,18 +232,27 @@ def select(case: Case, precision: str | PrecisionClass = DEFAULT_PRECISION, *,
     >>> d.chosen
     'reference'
     """
+    check_case(case)
     precision = _check_precision(precision)
     cands = _candidates(candidates)
     key = selection_key(case, precision, cands)
+    if case.N == 0:
+        d = _empty_output(case, precision, key)
+        cache.remember(key, d)
+        return d
     if not refresh:
         d = cache.recall(key)
         if d is not None:
             d.source = "memory"
             return d
         d = cache.lookup_disk(key)
-        if d is not None and all(n in _REGISTRY for n in d.ranking):
-            cache.remember(key, d)
-            return d
+        if d is not None:
+            stale = _stale_reason(d, precision)
+            if stale is None:
+                cache.remember(key, d)
+                return d
+            warnings.warn(f"fp8ref: ignoring the cached decision for {d.case} in {cache.cache_file()} ({stale}); "
+                          "selecting again", stacklevel=2)
     d = _run_selection(case, precision, cands, key)
     cache.remember(key, d)
     cache.write_disk(key, d)
@@ -222,6 +286,7 @@ def resolve(case: Case, backend: str = "auto", precision: str | PrecisionClass =
     outside the precision class) raises ``BackendUnavailableError``: never a silent fallback.
     Under "auto", backends marked failed at run time for this key are skipped.
     """
+    check_case(case)
     precision = _check_precision(precision)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")
