@@ -16,6 +16,7 @@ import weakref as _weakref
 import torch
 
 from . import select as _select
+from .kernels._common import BIAS_NON_FINITE, check_finite
 from .registry import Backend as _Backend
 from .registry import Case as _Case
 from .spec.formats import get_format
@@ -36,25 +37,6 @@ def _is_fp8(dtype: torch.dtype) -> bool:
 
 # --------------------------------------------------------------------------------------------
 # Argument checks: one set for every entry point, in the order a caller should hear about them.
-
-
-def check_finite(t: torch.Tensor, what: str, consequence: str = "") -> None:
-    """Raise ``ValueError`` naming ``what``, the count and the first NaN/Inf of ``t``, if it has one.
-
-    One reduction when ``t`` is finite (its sum, which is finite unless ``t`` holds NaN/Inf or the
-    sum overflows; only then is ``t`` scanned elementwise).
-    """
-    if t.numel() == 0:
-        return
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    if bool(torch.isfinite(t.sum(dtype=acc))):
-        return
-    bad = ~torch.isfinite(t)
-    n = int(bad.sum())
-    if n:
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{what} contains {n} non-finite value(s) (first: {t[idx].item()} at index {idx})"
-                         + (f"; {consequence}" if consequence else ""))
 
 
 def check_codes(q: Quantized, what: str) -> None:
@@ -113,8 +95,8 @@ def _check_weight(w, recipe: Recipe) -> None:
 
 
 def _check_call(x: torch.Tensor, N: int, K: int, bias, out_dtype) -> torch.dtype:
-    """The per-call checks after the weight's: shapes, bias, output dtype, then NaN/Inf in x and
-    bias. Returns the output dtype."""
+    """The per-call checks after the weight's: shapes, bias, output dtype (``_check_values`` then
+    scans the values). Returns the output dtype."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but w is [{N}, {K}]")
     if bias is not None:
@@ -129,10 +111,14 @@ def _check_call(x: torch.Tensor, N: int, K: int, bias, out_dtype) -> torch.dtype
     od = x.dtype if out_dtype is None else out_dtype
     if od not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]} (or None: x's dtype), got {od}")
+    return od
+
+
+def _check_values(x: torch.Tensor, bias) -> None:
+    """NaN/Inf in x or bias: the last of the caller's checks (one reduction each)."""
     check_finite(x, "x", "FP8 quantization of NaN/Inf is undefined")
     if bias is not None:
-        check_finite(bias, "bias", "those output columns would be NaN/Inf")
-    return od
+        check_finite(bias, "bias", BIAS_NON_FINITE)
 
 
 def check_linear_args(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
@@ -166,17 +152,20 @@ def check_linear_args(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.
     recipe = get_recipe(recipe)
     _check_weight(w, recipe)
     N, K = (w.data if isinstance(w, Quantized) else w).shape
-    return recipe, _check_call(x, N, K, bias, out_dtype)
+    od = _check_call(x, N, K, bias, out_dtype)
+    _check_values(x, bias)
+    return recipe, od
 
 
 # --------------------------------------------------------------------------------------------
 # Autograd: fp8ref computes no gradients, and says so when one is asked for.
 
 
-def _grad_inputs(x: torch.Tensor, w, bias) -> dict[str, torch.Tensor]:
-    """The tensor arguments that require grad, by name, in grad mode (none otherwise: the common case)."""
-    if not torch.is_grad_enabled():
-        return {}
+def _grad_inputs(x: torch.Tensor, w, bias) -> dict[str, torch.Tensor] | None:
+    """The tensor arguments that require grad, by name, in grad mode (None otherwise: the common case)."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or getattr(w, "requires_grad", False)
+                                         or (bias is not None and bias.requires_grad))):
+        return None
     return {n: t for n, t in (("x", x), ("w", w), ("bias", bias)) if isinstance(t, torch.Tensor) and t.requires_grad}
 
 
@@ -199,7 +188,7 @@ class _NoGradient(torch.autograd.Function):
                            "Detach the inputs, or run the forward under torch.no_grad() / torch.inference_mode()")
 
 
-def _without_gradient(run, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _without_gradient(run, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
     """``run()``, as an output whose backward raises when some ``inputs`` (those requiring grad) exist."""
     return _NoGradient.apply(tuple(inputs), run, *inputs.values()) if inputs else run()
 
@@ -393,12 +382,25 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     Returns
     -------
     torch.Tensor
-        ``[..., N]``.
+        ``[..., N]`` (empty when M = 0 or N = 0, as the reference computes it).
+
+    Raises
+    ------
+    TypeError, ValueError
+        The caller's errors, naming the argument, before any selection, probe or kernel (see
+        ``check_linear_args``): a non-float or FP8 ``x``, an FP8 ``w`` without scales, shapes that
+        do not fit, a bias that is not a float ``[N]``, an ``out_dtype`` outside ``OUT_DTYPES``,
+        NaN/Inf in ``x``, ``w`` or ``bias``, NaN codes in a ``Quantized`` weight.
+    BackendUnavailableError
+        A named (or ``FP8REF_BACKEND``-forced) backend that cannot run the case.
 
     Notes
     -----
     Under ``"auto"``, a backend that raises at run time is marked failed for this case (with
     one warning per backend) and the call is retried on the next compliant backend.
+
+    fp8ref computes no gradients: in grad mode, with an input that requires grad, the output's
+    backward raises ``RuntimeError`` (docs/spec.md, "Autograd"); run under ``torch.no_grad()``.
 
     Examples
     --------
@@ -425,8 +427,15 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
             _os.environ.get(_select.ENV_BACKEND), _os.environ.get(_select.ENV_CANDIDATES))
     d = e.dispatch.get(dkey)
     if d is None or d.generation != _select.generation():
+        _check_values(x, bias)  # before any selection, probe or kernel
         d = _resolve_dispatch(e, x, M, bias, backend, precision, od, dkey)
-    y = _without_gradient(lambda: _call(e, x, x2, M, bias, backend, precision, od, dkey, d), _grad_inputs(x, w, bias))
+    elif not d.backend.rejects_non_finite:
+        _check_values(x, bias)
+    grads = _grad_inputs(x, w, bias)
+    if grads is None:
+        y = _call(e, x, x2, M, bias, backend, precision, od, dkey, d)
+    else:
+        y = _without_gradient(lambda: _call(e, x, x2, M, bias, backend, precision, od, dkey, d), grads)
     return y if len(shape) == 2 else y.reshape(*shape[:-1], e.N)
 
 
@@ -434,6 +443,10 @@ def _call(e, x, x2, M, bias, backend, precision, od, dkey, d):
     try:
         return d.backend.linear(x2, d.prepared, bias, od, d.scheme)
     except Exception as exc:
+        # A backend that rejects NaN/Inf itself (rejects_non_finite) raised: the caller's error,
+        # worded as on a first call (x's own index, not its flattened view's), and never blamed
+        # on the backend under "auto".
+        _check_values(x, bias)
         if not d.auto:
             raise
         return _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc)

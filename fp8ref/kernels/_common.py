@@ -18,8 +18,8 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
-__all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_mm_args", "empty_result", "unwrap", "pad_last",
-           "pad_weight", "zeros", "bias_fp32"]
+__all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_finite", "check_mm_args", "empty_result",
+           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,11 +45,46 @@ def unwrap(b: Quantized, backend: str) -> tuple[Quantized, dict[str, Any]]:
     return b, {}
 
 
+def check_finite(t: torch.Tensor, what: str, consequence: str = "") -> None:
+    """Raise ``ValueError`` naming ``what``, the count and the first NaN/Inf of ``t``, if it has one.
+
+    One reduction when ``t`` is finite (its sum, which is finite unless ``t`` holds NaN/Inf or the
+    sum overflows; only then is ``t`` scanned elementwise). ``fp8ref.linear``, the checkpoint
+    loader and the backends' ``check_mm_args`` share it, so every entry point words it alike.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fp8ref.kernels._common import check_finite
+    >>> check_finite(torch.tensor([1.0, float("inf"), 3.0]), "bias")
+    Traceback (most recent call last):
+    ...
+    ValueError: bias contains 1 non-finite value(s) (first: inf at index (1,))
+    """
+    if t.numel() == 0:
+        return
+    # math.isfinite of the Python float: torch.isfinite on a 0-d tensor costs several times more.
+    if math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()):
+        return
+    bad = ~torch.isfinite(t)
+    n = int(bad.sum())
+    if n:
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{what} contains {n} non-finite value(s) (first: {t[idx].item()} at index {idx})"
+                         + (f"; {consequence}" if consequence else ""))
+
+
+#: What a non-finite bias does (the tail of its error message).
+BIAS_NON_FINITE = "those output columns would be NaN/Inf"
+
+
 def check_mm_args(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
-    """The argument checks of the reference ``scaled_mm`` (same exceptions, same messages), the
-    bias's NaN/Inf scan included: the spec raises there, and a kernel would return NaN columns
-    (N elements, a negligible cost next to the GEMM)."""
-    check_operands(a, b, bias, out_dtype)
+    """The argument checks of the reference ``scaled_mm`` (same exceptions), the bias's NaN/Inf scan
+    included: the spec raises there, and a kernel would return NaN columns (N elements, a
+    negligible cost next to the GEMM)."""
+    check_operands(a, b, bias, out_dtype, finite_bias=False)
+    if bias is not None:
+        check_finite(bias, "bias", BIAS_NON_FINITE)
 
 
 def empty_result(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor | None:

@@ -199,6 +199,7 @@ class CpuWideBackend(Backend):
         self.wide = wide
         self.accumulation = Accumulation.FP32
         self.output_roundings = 2 if wide == torch.bfloat16 else 1
+        self.rejects_non_finite = True  # x: the quantizers' amax checks; bias: check_mm_args
         self._compile = compile
         #: fp32 GEMMs through oneDNN's bf16 dot products (see the module docstring); cpu-fp32 only
         self.bf16_dot_products = os.environ.get("FP8REF_CPU_BF16_DOT", "0") == "1"

@@ -102,6 +102,7 @@ class CpuFp8Backend(Backend):
     name = "cpu-fp8"
     accumulation = Accumulation.FP32
     output_roundings = 1
+    rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
     #: use vdpbf16ps where the CPU has avx512_bf16 (else the fp16-decode + fp32 FMA path)
     bf16_dot = True
 

@@ -87,6 +87,7 @@ class TorchScaledMMBackend(Backend):
         self.fast_accum = fast_accum
         self.accumulation = Accumulation.FAST if fast_accum else Accumulation.FP32
         self.output_roundings = 1
+        self.rejects_non_finite = True  # x: fast_quantize's amax check; bias: check_mm_args
         #: pad K and N to 16 on CPU too (CUDA always pads): lets CPU tests run the padding path
         self.force_pad = False
 

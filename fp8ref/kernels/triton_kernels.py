@@ -244,6 +244,7 @@ class TritonBackend(Backend):
 
     name = "triton"
     output_roundings = 1
+    rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
 
     @property
     def conformance_max_elems(self) -> int | None:

@@ -1,0 +1,339 @@
+"""Reliability, class 4: every bad input gets a clear error that blames the right argument (issue 13).
+
+A catalogue of bad inputs is fed to every entry point that takes a caller's tensors: each
+*registered* backend that is available here named explicitly, ``backend="auto"``, ``explain`` and
+``reference_linear``. Each must raise the catalogue's exception type with a message that starts by
+naming the offending argument, and must do so *before* any selection, probe or kernel: those are
+replaced by functions that fail the test if reached. Then the other entry points: ``fp8ref select``
+on the command line, the selection cache file, checkpoints, ``quantize_model``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+import fp8ref
+from fp8ref import select as sel
+from fp8ref.registry import _REGISTRY, backends
+from fp8ref.select import selector
+from fp8ref.spec import quant
+
+L = sys.modules["fp8ref.api"]
+K, N = 16, 8
+
+
+@pytest.fixture(autouse=True)
+def iso(tmp_path, monkeypatch):
+    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
+    sel.clear_cache()
+    L.clear_weight_cache()
+    yield
+    sel.clear_cache()
+    L.clear_weight_cache()
+
+
+def _available() -> list[str]:
+    return [i.name for i in backends() if i.available]
+
+
+def _nan(shape, at, value=float("nan"), dtype=torch.float32):
+    t = torch.randn(*shape, dtype=dtype)
+    t[at] = value
+    return t
+
+
+def _fp8(shape):
+    return torch.randn(*shape).to(torch.float8_e4m3fn)
+
+
+def _per_tensor_weight():
+    return fp8ref.quantize(torch.randn(N, K), fp8ref.FP8_PER_TENSOR.weight)
+
+
+STATIC = fp8ref.Recipe("static", fp8ref.W8A8_FP8.weight, fp8ref.W8A8_FP8.activation.with_(dynamic=False))
+
+#: (id, x, w, bias, keyword arguments, exception type, message pattern, entry points it applies to).
+#: Every pattern starts with the argument it blames. Tensors are built lazily (each call gets fresh ones).
+ALL = ("named", "auto", "explain", "reference_linear")
+LINEAR = ("named", "auto")
+CATALOGUE = [
+    ("x-int", lambda: torch.ones(4, K, dtype=torch.int32), None, None, {}, TypeError,
+     r"^x must have a float dtype .* got torch\.int32", ALL),
+    ("x-fp8", lambda: _fp8((4, K)), None, None, {}, TypeError, r"^x is an FP8 tensor \(torch\.float8_e4m3fn\)", ALL),
+    ("x-list", lambda: [[1.0] * K], None, None, {}, TypeError, r"^x must be a torch\.Tensor", ALL),
+    ("x-0d", lambda: torch.tensor(1.0), None, None, {}, ValueError, r"^x must have at least one dim", ALL),
+    ("x-nan", lambda: _nan((4, K), (1, 2)), None, None, {}, ValueError,
+     r"^x contains 1 non-finite value\(s\) \(first: nan at index \(1, 2\)\)", ALL),
+    ("x-inf-3d", lambda: _nan((2, 3, K), (1, 2, 5), float("-inf")), None, None, {}, ValueError,
+     r"^x contains 1 non-finite value\(s\) \(first: -inf at index \(1, 2, 5\)\)", ALL),
+    ("x-K", lambda: torch.randn(4, K + 1), None, None, {}, ValueError,
+     rf"^x has {K + 1} features \(shape \(4, {K + 1}\)\) but w is \[{N}, {K}\]", ALL),
+    ("w-nan", None, lambda: _nan((N, K), (2, 3)), None, {}, ValueError,
+     r"^w contains 1 non-finite value\(s\) \(first: nan at index \(2, 3\)\)", ALL),
+    ("w-inf", None, lambda: _nan((N, K), (0, 0), float("inf")), None, {}, ValueError, r"^w contains 1 non-finite", ALL),
+    ("w-fp8", None, lambda: _fp8((N, K)), None, {}, TypeError, r"^w is an FP8 tensor \(torch\.float8_e4m3fn\) without "
+                                                               r"its scales", ALL),
+    ("w-int", None, lambda: torch.ones(N, K, dtype=torch.int64), None, {}, TypeError,
+     r"^w must have a float dtype .* got torch\.int64", ALL),
+    ("w-3d", None, lambda: torch.randn(2, N, K), None, {}, ValueError, r"^w must be 2-D \[N, K\]", ALL),
+    ("w-list", None, lambda: [[1.0] * K] * N, None, {}, TypeError, r"^w must be a float torch\.Tensor \[N, K\] or an "
+                                                                    r"fp8ref\.Quantized", ALL),
+    ("w-K0", lambda: torch.randn(4, 0), lambda: torch.randn(N, 0), None, {}, ValueError,
+     r"^w has 0 columns: the reduction dim K must be at least 1", ALL),
+    ("w-scheme", None, _per_tensor_weight, None, {}, ValueError,
+     r"^w was quantized as e4m3fn-tensor-dyn.*, recipe w8a8_fp8 expects", ALL),
+    ("bias-shape", None, None, lambda: torch.randn(N + 1), {}, ValueError,
+     rf"^bias must have shape \({N},\) = \[N\], got \({N + 1},\)", ALL),
+    ("bias-2d", None, None, lambda: torch.randn(1, N), {}, ValueError, r"^bias must have shape", ALL),
+    ("bias-int", None, None, lambda: torch.ones(N, dtype=torch.int32), {}, TypeError,
+     r"^bias must have a float dtype, got torch\.int32", ALL),
+    ("bias-fp8", None, None, lambda: _fp8((N,)), {}, TypeError, r"^bias must have a float dtype, got torch\.float8",
+     ALL),
+    ("bias-list", None, None, lambda: [0.0] * N, {}, TypeError, r"^bias must be a float torch\.Tensor \[N\] or None",
+     ALL),
+    ("bias-nan", None, None, lambda: _nan((N,), 4), {}, ValueError,
+     r"^bias contains 1 non-finite value\(s\) \(first: nan at index \(4,\)\)", ALL),
+    ("out-int32", None, None, None, {"out_dtype": torch.int32}, TypeError,
+     r"^out_dtype must be one of .* got torch\.int32", ALL),
+    ("out-fp8", None, None, None, {"out_dtype": torch.float8_e4m3fn}, TypeError, r"^out_dtype must be one of", ALL),
+    ("recipe", None, None, None, {"recipe": "w8a8_nope"}, ValueError, r"^unknown recipe 'w8a8_nope'", ALL),
+    ("precision", None, None, None, {"precision": "exactish"}, ValueError,
+     r"^precision must be one of \['exact', 'strict', 'standard', 'fast'\]", ("named", "auto", "explain")),
+    ("precision-type", None, None, None, {"precision": 3}, TypeError, r"^precision must be a str", LINEAR),
+    ("backend-type", None, None, None, {"backend": ["cpu-fp32"]}, TypeError, r"^backend must be a backend name",
+     ("auto",)),
+    ("backend-name", None, None, None, {"backend": "cpu-fp33"}, fp8ref.BackendUnavailableError,
+     r"^backend='cpu-fp33': \"?no backend named 'cpu-fp33'", ("auto",)),
+    ("static-recipe", None, None, None, {"recipe": STATIC}, ValueError, r"^recipe 'static' has a static activation",
+     LINEAR),
+]
+
+
+@pytest.fixture()
+def nothing_may_run(monkeypatch):
+    """Selection (probe and timing) and every backend method fail the test if reached."""
+
+    def reached(*args, **kwargs):
+        raise AssertionError("reached a selection, probe or kernel before the caller's input was checked")
+
+    monkeypatch.setattr(selector, "_run_selection", reached)
+    for b in list(_REGISTRY.values()):
+        for method in ("quantize", "scaled_mm", "linear", "prepare_weight"):
+            monkeypatch.setattr(b, method, reached)
+
+
+def _entry_points():
+    names = _available()
+    out = [("named", n) for n in names] + [("auto", "auto"), ("explain", None), ("reference_linear", None)]
+    return out
+
+
+def _call(kind, name, x, w, bias, kw):
+    if kind in ("named", "auto"):
+        kw = {"precision": "fast" if kind == "named" else "standard", **kw}
+        if kind == "named":
+            kw.setdefault("backend", name)
+        return fp8ref.linear(x, w, bias, **kw)
+    if kind == "explain":
+        return fp8ref.explain(x, w, bias, **kw)
+    return fp8ref.reference_linear(x, w, bias, **kw)
+
+
+@pytest.mark.parametrize("kind, name", _entry_points(), ids=[f"{k}-{n}" if n and k == "named" else k
+                                                             for k, n in _entry_points()])
+@pytest.mark.parametrize("case", CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_bad_input_blames_the_argument_before_anything_runs(nothing_may_run, case, kind, name):
+    cid, mx, mw, mb, kw, exc, pattern, where = case
+    if kind not in where:
+        pytest.skip(f"{cid} does not apply to {kind}")
+    x = mx() if mx else torch.randn(4, K)
+    w = mw() if mw else torch.randn(N, K)
+    bias = mb() if mb else None
+    with pytest.raises(exc) as info:
+        _call(kind, name, x, w, bias, dict(kw))
+    assert re.search(pattern, str(info.value)), f"{cid} via {kind} {name or ''}: {info.value}"
+
+
+def test_the_catalogue_reaches_every_backend():
+    """The guard above is real: without it a kernel would run (here, a valid call does run one)."""
+    assert {"cpu-bf16", "cpu-fp32", "reference", "torch"} <= set(_available())
+    y = fp8ref.linear(torch.randn(4, K), torch.randn(N, K), backend="cpu-fp32")
+    assert y.shape == (4, N)
+
+
+def test_nothing_may_run_guard_catches_a_kernel(nothing_may_run):
+    with pytest.raises(AssertionError, match="before the caller's input was checked"):
+        fp8ref.linear(torch.randn(4, K), torch.randn(N, K), backend="cpu-fp32")
+    with pytest.raises(AssertionError, match="before the caller's input was checked"):
+        fp8ref.explain(torch.randn(4, K), torch.randn(N, K))
+
+
+def test_x_dtypes_are_the_reference_quantizers_inputs():
+    assert set(sel.X_DTYPES) == set(quant._FLOAT_INPUTS)
+
+
+@pytest.mark.parametrize("field, value, exc, pattern", [
+    ("M", -1, ValueError, r"Case\.M must be an int >= 0, got -1"),
+    ("N", -2, ValueError, r"Case\.N must be an int >= 0, got -2"),
+    ("K", 0, ValueError, r"Case\.K must be an int >= 1, got 0"),
+    ("K", 2.5, ValueError, r"Case\.K must be an int >= 1, got 2\.5"),
+    ("x_dtype", torch.int32, TypeError, r"Case\.x_dtype must be one of .* got torch\.int32"),
+    ("x_dtype", torch.float8_e4m3fn, TypeError, r"Case\.x_dtype must be one of"),
+    ("out_dtype", torch.int8, TypeError, r"Case\.out_dtype must be one of .* got torch\.int8"),
+    ("recipe", "w8a8_fp8", TypeError, r"Case\.recipe must be an fp8ref\.Recipe, got str"),
+])
+def test_select_and_resolve_check_the_case(nothing_may_run, field, value, exc, pattern):
+    args = {"M": 4, "N": N, "K": K, "recipe": fp8ref.W8A8_FP8, field: value}
+    case = fp8ref.Case(**args)
+    for call in (sel.select, sel.resolve):
+        with pytest.raises(exc, match=pattern):
+            call(case)
+
+
+# -- fp8ref select on the command line -----------------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "fp8ref", "select", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--M", "4", "--N", "8", "--K", "0"], r"argument --K: must be >= 1, got 0 \(the reduction dim K must be at "
+                                           r"least 1\)"),
+    (["--M", "4", "--N", "-1", "--K", "16"], r"argument --N: must be >= 0, got -1"),
+    (["--M", "-3", "--N", "8", "--K", "16"], r"argument --M: must be >= 0, got -3"),
+    (["--M", "four", "--N", "8", "--K", "16"], r"argument --M: expected an integer, got 'four'"),
+    (["--M", "4", "--N", "8", "--K", "16", "--device", "gpu0"], r"argument --device: .*gpu0"),
+    (["--M", "4", "--N", "8", "--K", "16", "--candidates", "cpu-fp33"], r"fp8ref select: error: no backend named "
+                                                                         r"'cpu-fp33'"),
+])
+def test_cli_select_rejects_bad_options_without_a_traceback(args, pattern):
+    out = _cli(*args)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and re.search(pattern, out.stderr), out.stderr
+
+
+# -- The selection cache file --------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00not utf-8 \xc3\x28", b'{"schema": 1, "entries": {"k": "\xe9"}}'],
+                         ids=["binary", "latin-1"])
+def test_non_utf8_cache_is_ignored_with_a_warning(content):
+    path = sel.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    case = fp8ref.Case(M=4, N=N, K=K, recipe=fp8ref.W8A8_FP8)
+    with pytest.warns(UserWarning, match="ignoring corrupt selection cache .*utf-8"):
+        d = sel.select(case, candidates=["reference"])
+    assert d.source == "probe"
+    sel.clear_cache()
+    assert sel.select(case, candidates=["reference"]).source == "disk"  # rewritten as valid JSON
+
+
+def test_malformed_cache_entry_is_ignored_with_a_warning():
+    case = fp8ref.Case(M=4, N=N, K=K, recipe=fp8ref.W8A8_FP8)
+    d = sel.select(case, candidates=["reference"])
+    path = sel.cache_file()
+    path.write_text(path.read_text().replace('"rows": [', '"rows": ["not a row", '))
+    sel.clear_cache()
+    with pytest.warns(UserWarning, match="ignoring malformed cache entry"):
+        assert sel.select(case, candidates=["reference"]).chosen == d.chosen
+
+
+# -- Checkpoints ---------------------------------------------------------------------------------
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, K)
+        self.proj = nn.Linear(K, N)
+        self.out = nn.Linear(N, 4)
+
+
+def _saved(tmp_path, **changes):
+    torch.manual_seed(0)
+    m = Two()
+    fp8ref.quantize_model(m, skip=(), backend="reference")
+    good = tmp_path / "good.safetensors"
+    fp8ref.save_fp8_dynamic(m, good)
+    if not changes:
+        return good
+    with safe_open(str(good), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors.update({k.replace("__", "."): v for k, v in changes.items()})
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=meta)
+    return bad
+
+
+def _unchanged(model: nn.Module, before: dict) -> bool:
+    return (all(type(mod) is not fp8ref.Fp8Linear for mod in model.modules())
+            and all(torch.equal(v, before[k]) for k, v in model.state_dict().items()))
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    ({"out__bias": torch.zeros(5)}, r"^out\.bias has shape \(5,\), layer 'out' needs \[4\]"),
+    ({"out__bias": torch.zeros(4, dtype=torch.int32)}, r"^out\.bias has dtype torch\.int32"),
+    ({"out__bias": torch.tensor([0.0, float("inf"), 0.0, 0.0])},
+     r"^out\.bias contains 1 non-finite value\(s\) \(first: inf at index \(1,\)\)"),
+    ({"embed__weight": torch.zeros(9, K)}, r"embed\.weight has shape \(9, 16\), the model's is \(8, 16\)"),
+])
+def test_checkpoint_errors_name_the_tensor_and_change_nothing(tmp_path, changes, pattern):
+    bad = _saved(tmp_path, **changes)
+    model = Two()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fp8ref.CheckpointError, match=pattern):
+        fp8ref.load_fp8_dynamic(model, bad)
+    assert _unchanged(model, before)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_unreadable_checkpoint_names_the_file(tmp_path, damage):
+    good = _saved(tmp_path)
+    data = good.read_bytes()
+    bad = tmp_path / f"{damage}.safetensors"
+    bad.write_bytes({"garbage": b"not a safetensors file" * 4, "truncated": data[: len(data) // 2],
+                     "empty": b""}[damage])
+    model = Two()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fp8ref.CheckpointError, match=re.escape(str(bad)) + ": not a readable safetensors file"):
+        fp8ref.load_fp8_dynamic(model, bad)
+    assert _unchanged(model, before)
+
+
+def test_checkpoint_round_trip_still_loads(tmp_path):
+    good = _saved(tmp_path)
+    model = Two()
+    assert fp8ref.load_fp8_dynamic(model, good, backend="reference") == ["proj", "out"]
+    assert isinstance(model.proj, fp8ref.Fp8Linear) and isinstance(model.out, fp8ref.Fp8Linear)
+
+
+# -- quantize_model ------------------------------------------------------------------------------
+
+def test_quantize_model_names_the_layer_and_converts_all_or_nothing():
+    model = nn.Sequential(nn.Linear(K, K), nn.ReLU(), nn.Linear(K, N), nn.ReLU(), nn.Linear(N, 4))
+    with torch.no_grad():
+        model[2].weight[3, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"^quantize_model: layer '2' cannot be quantized \(linear\.weight contains 1 "
+                                         r"non-finite value\(s\) \(first: inf at index \(3, 1\)\).*\); the model is "
+                                         r"left unchanged"):
+        fp8ref.quantize_model(model, skip=())
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear, nn.ReLU, nn.Linear]
+
+
+def test_quantize_model_names_a_bad_bias():
+    model = nn.Sequential(nn.Linear(K, N), nn.ReLU(), nn.Linear(N, 4))
+    with torch.no_grad():
+        model[0].bias[2] = float("nan")
+    with pytest.raises(ValueError, match=r"layer '0' cannot be quantized \(linear\.bias contains 1 non-finite"):
+        fp8ref.quantize_model(model, skip=())
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
