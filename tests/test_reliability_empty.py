@@ -9,57 +9,34 @@ available here is fed these shapes, so a backend added later is covered without 
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+from reliability_helpers import available, isolated, taking  # noqa: F401 (isolated: an autouse fixture)
 
 import fp8ref
 from fp8ref import select as sel
 from fp8ref.cli import main
 from fp8ref.kernels import cpu_fp8
-from fp8ref.registry import backends, get_backend
+from fp8ref.registry import get_backend
 from fp8ref.select import compliance
 
-L = sys.modules["fp8ref.api"]
 SHAPES = [(0, 8), (4, 0), (0, 0)]
 K = 32
 
 
-@pytest.fixture(autouse=True)
-def iso(tmp_path, monkeypatch):
-    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
-    monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
-    sel.clear_cache()
-    L.clear_weight_cache()
-    yield
-    sel.clear_cache()
-    L.clear_weight_cache()
-
-
-def _available() -> list[str]:
-    return [i.name for i in backends() if i.available]
-
-
 def _taking(name: str, M: int, N: int, has_bias: bool) -> fp8ref.Backend:
-    """The backend, skipping the test (with its reason) where it declines the case's class."""
-    b = get_backend(name)
-    case = fp8ref.Case(M=max(M, 1), N=max(N, 1), K=K, recipe=fp8ref.W8A8_FP8, has_bias=has_bias)
-    reason = b.supports(case)
-    if reason:
-        pytest.skip(f"{name} declines {case.short_str()}: {reason}")
-    return b
+    """The backend, where it takes the case's class (M and N of at least 1)."""
+    return taking(name, fp8ref.Case(M=max(M, 1), N=max(N, 1), K=K, recipe=fp8ref.W8A8_FP8, has_bias=has_bias))
 
 
 def test_every_available_backend_is_exercised():
     """The parametrisation below is over the registry: the reference and the CPU backends are there."""
-    assert {"reference", "cpu-bf16", "cpu-fp32", "torch"} <= set(_available())
+    assert {"reference", "cpu-bf16", "cpu-fp32", "torch"} <= set(available())
 
 
 @pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("M, N", SHAPES, ids=[f"M{m}-N{n}" for m, n in SHAPES])
-@pytest.mark.parametrize("name", _available())
+@pytest.mark.parametrize("name", available())
 def test_backend_api_returns_the_empty_output(name, M, N, has_bias):
     b = _taking(name, M, N, has_bias)
     x = torch.randn(M, K, dtype=torch.bfloat16)
@@ -73,7 +50,7 @@ def test_backend_api_returns_the_empty_output(name, M, N, has_bias):
 
 
 @pytest.mark.parametrize("M, N", SHAPES, ids=[f"M{m}-N{n}" for m, n in SHAPES])
-@pytest.mark.parametrize("name", [*_available(), "auto"])
+@pytest.mark.parametrize("name", [*available(), "auto"])
 def test_fp8ref_linear_returns_the_empty_output(name, M, N):
     if name != "auto":
         _taking(name, M, N, True)

@@ -11,10 +11,10 @@ on the command line, the selection cache file, checkpoints, ``quantize_model``.
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
+from reliability_helpers import available, isolated  # noqa: F401 (isolated: an autouse fixture)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -22,28 +22,11 @@ from torch import nn
 import fp8ref
 from fp8ref import select as sel
 from fp8ref.cli import main
-from fp8ref.registry import _REGISTRY, backends
+from fp8ref.registry import _REGISTRY
 from fp8ref.select import selector
 from fp8ref.spec import quant
 
-L = sys.modules["fp8ref.api"]
 K, N = 16, 8
-
-
-@pytest.fixture(autouse=True)
-def iso(tmp_path, monkeypatch):
-    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
-    monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
-    sel.clear_cache()
-    L.clear_weight_cache()
-    yield
-    sel.clear_cache()
-    L.clear_weight_cache()
-
-
-def _available() -> list[str]:
-    return [i.name for i in backends() if i.available]
 
 
 def _nan(shape, at, value=float("nan"), dtype=torch.float32):
@@ -133,7 +116,7 @@ def nothing_may_run(monkeypatch):
 
 
 def _entry_points():
-    names = _available()
+    names = available()
     out = [("named", n) for n in names] + [("auto", "auto"), ("explain", None), ("reference_linear", None)]
     return out
 
@@ -167,7 +150,7 @@ def test_bad_input_blames_the_argument_before_anything_runs(nothing_may_run, cas
 
 def test_the_catalogue_reaches_every_backend():
     """The guard above is real: without it a kernel would run (here, a valid call does run one)."""
-    assert {"cpu-bf16", "cpu-fp32", "reference", "torch"} <= set(_available())
+    assert {"cpu-bf16", "cpu-fp32", "reference", "torch"} <= set(available())
     y = fp8ref.linear(torch.randn(4, K), torch.randn(N, K), backend="cpu-fp32")
     assert y.shape == (4, N)
 

@@ -14,45 +14,23 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
+from reliability_helpers import available, isolated, taking  # noqa: F401 (isolated: an autouse fixture)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 import fp8ref
 from fp8ref import select as sel
-from fp8ref.registry import backends, get_backend
 
-L = sys.modules["fp8ref.api"]
 K, N = 32, 8
 NO_GRAD = "fp8ref computes no gradients"
 
 
-@pytest.fixture(autouse=True)
-def iso(tmp_path, monkeypatch):
-    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
-    monkeypatch.delenv(sel.ENV_CANDIDATES, raising=False)
-    sel.clear_cache()
-    L.clear_weight_cache()
-    yield
-    sel.clear_cache()
-    L.clear_weight_cache()
-
-
-def _available() -> list[str]:
-    return [i.name for i in backends() if i.available]
-
-
 def _taking(name: str) -> fp8ref.Backend:
-    b = get_backend(name)
-    reason = b.supports(fp8ref.Case(M=4, N=N, K=K, recipe=fp8ref.W8A8_FP8, has_bias=True))
-    if reason:
-        pytest.skip(f"{name}: {reason}")
-    return b
+    return taking(name, fp8ref.Case(M=4, N=N, K=K, recipe=fp8ref.W8A8_FP8, has_bias=True))
 
 
 def _precision(name: str) -> str:
@@ -65,7 +43,7 @@ BAD_BIAS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 @pytest.mark.parametrize("value", list(BAD_BIAS))
-@pytest.mark.parametrize("name", [*_available(), "auto"])
+@pytest.mark.parametrize("name", [*available(), "auto"])
 def test_non_finite_bias_raises_through_fp8ref_linear(name, value):
     if name != "auto":
         _taking(name)
@@ -76,7 +54,7 @@ def test_non_finite_bias_raises_through_fp8ref_linear(name, value):
                       precision=_precision(name))
 
 
-@pytest.mark.parametrize("name", _available())
+@pytest.mark.parametrize("name", available())
 def test_non_finite_bias_raises_through_the_backend_api(name):
     """Called directly (a serving stack holding the backend), not only behind fp8ref.linear."""
     b = _taking(name)
@@ -111,7 +89,7 @@ def _nan_weight() -> fp8ref.Quantized:
     return fp8ref.Quantized(codes.view(torch.float8_e4m3fn), q.scale, q.scheme)
 
 
-@pytest.mark.parametrize("name", [*_available(), "auto"])
+@pytest.mark.parametrize("name", [*available(), "auto"])
 def test_nan_codes_refused_by_fp8ref_linear(name):
     if name != "auto":
         _taking(name)
@@ -155,7 +133,7 @@ def test_checkpoint_with_nan_codes_is_refused(tmp_path):
 # -- Autograd ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("what", ["x", "w", "bias"])
-@pytest.mark.parametrize("name", [*_available(), "auto"])
+@pytest.mark.parametrize("name", [*available(), "auto"])
 def test_gradient_asked_of_fp8ref_raises_on_backward(name, what):
     if name != "auto":
         _taking(name)
@@ -273,7 +251,7 @@ def test_non_finite_x_is_caught_for_a_backend_that_passes_it(fake, monkeypatch, 
         fp8ref.linear(torch.randn(4, K), w, bias, backend=name)
 
 
-@pytest.mark.parametrize("name", _available())
+@pytest.mark.parametrize("name", available())
 def test_backends_that_declare_it_reject_non_finite_x(name):
     """The shipped backends' declaration (fp8ref.linear skips its own scan for them on the hot path),
     checked on both of the calls fp8ref.linear makes, with the caller's index in the message."""
