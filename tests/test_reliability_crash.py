@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,7 +77,10 @@ CASES = [
 _CHILD = textwrap.dedent("""
     import json, re, sys, torch
     from fp8ref.kernels import native
-    mod = native.require()
+    try:  # the harness's own test below runs without a build
+        mod = native.require()
+    except RuntimeError:
+        mod = None
     z = lambda *s, dtype=torch.float32: torch.zeros(*s, dtype=dtype)
     c = lambda *s: torch.zeros(*s, dtype=torch.uint8)
     v = lambda n: torch.ones(n, dtype=torch.float32)
@@ -120,8 +124,6 @@ def test_native_entry_point_guards(child, name, expect, code):
         assert got["raised"] is None, f"{name}: {got}"
         return
     assert got["raised"] == "RuntimeError", f"{name}: {got}"
-    import re
-
     assert re.search(expect, got["msg"]), f"{name}: {got['msg']!r} does not match {expect!r}"
 
 

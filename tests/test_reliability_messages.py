@@ -184,6 +184,37 @@ def test_select_and_resolve_check_the_case(nothing_may_run, field, value, exc, p
             call(case)
 
 
+class TakesThreeRows(fp8ref.Backend):
+    """Declines more than 3 rows: M = 3 shares its bucket (3..4) with M = 4."""
+
+    name = "t-three-rows"
+    accumulation = fp8ref.Accumulation.FP32
+
+    def supports(self, case):
+        return "more than 3 rows" if case.M > 3 else None
+
+    def quantize(self, x, scheme):
+        return fp8ref.quantize(x, scheme)
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        return fp8ref.scaled_mm(a, b, bias, out_dtype=out_dtype)
+
+
+def test_named_backend_decline_names_the_callers_case():
+    """The decline of a named backend names the caller's M (it once named the bucket's other end:
+    "does not support M3-..." for a call with M = 4), and says where in the bucket it declined."""
+    fp8ref.register_backend(TakesThreeRows(), replace=True)
+    try:
+        with pytest.raises(fp8ref.BackendUnavailableError,
+                           match=r"backend 't-three-rows' does not support M3-N8-K16-w8a8_fp8-float32-float32-cpu: "
+                                 r"more than 3 rows \(at M=4: one decision serves M=3\.\.4\)$"):
+            fp8ref.linear(torch.randn(3, K), torch.randn(N, K), backend="t-three-rows")
+        with pytest.raises(fp8ref.BackendUnavailableError, match=r"does not support M5-N8-K16-\S+: more than 3 rows$"):
+            fp8ref.linear(torch.randn(5, K), torch.randn(N, K), backend="t-three-rows")
+    finally:
+        fp8ref.unregister_backend("t-three-rows")
+
+
 # -- fp8ref select on the command line -----------------------------------------------------------
 
 def _cli(capsys, *args) -> tuple[int, str]:

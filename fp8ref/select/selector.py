@@ -270,7 +270,11 @@ def _forced(name: str, case: Case, precision: str, origin: str) -> Backend:
     for c in _case_variants(case):
         reason = decline_reason(b, c)
         if reason is not None:
-            raise BackendUnavailableError(f"{origin}: backend {name!r} does not support {c.short_str()}: {reason}")
+            # The caller's case, not the bucket's end that declined (a decision holds for the bucket).
+            b_hi = m_bucket(case.M)
+            at = "" if c.M == case.M else f" (at M={c.M}: one decision serves M={bucket_lo(b_hi)}..{b_hi})"
+            raise BackendUnavailableError(f"{origin}: backend {name!r} does not support {case.short_str()}: "
+                                          f"{reason}{at}")
     if not PrecisionClass(precision).admits(b.precision):
         raise BackendUnavailableError(f"{origin}: backend {name!r} is in class {b.precision.value}, outside the "
                                       f"required precision={precision!r}; pass precision={b.precision.value!r} "
