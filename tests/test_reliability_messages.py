@@ -175,6 +175,11 @@ def test_x_dtypes_are_the_reference_quantizers_inputs():
     ("x_dtype", torch.float8_e4m3fn, TypeError, r"Case\.x_dtype must be one of"),
     ("out_dtype", torch.int8, TypeError, r"Case\.out_dtype must be one of .* got torch\.int8"),
     ("recipe", "w8a8_fp8", TypeError, r"Case\.recipe must be an fp8ref\.Recipe, got str"),
+    # a device this machine lacks failed inside torch ("Torch not compiled with CUDA enabled")
+    ("device", "cuda:99", ValueError, r"Case\.device is 'cuda:99', but (torch\.cuda\.is_available\(\) is False|this "
+                                      r"machine has \d+ cuda device)"),
+    ("device", "gpu0", ValueError, r"Case\.device must be a torch device string, got 'gpu0'"),
+    ("device", "meta", ValueError, r"Case\.device is 'meta', which holds no values"),
 ])
 def test_select_and_resolve_check_the_case(nothing_may_run, field, value, exc, pattern):
     args = {"M": 4, "N": N, "K": K, "recipe": fp8ref.W8A8_FP8, field: value}
@@ -233,6 +238,7 @@ def _cli(capsys, *args) -> tuple[int, str]:
     (["--M", "-3", "--N", "8", "--K", "16"], r"argument --M: must be >= 0, got -3"),
     (["--M", "four", "--N", "8", "--K", "16"], r"argument --M: expected an integer, got 'four'"),
     (["--M", "4", "--N", "8", "--K", "16", "--device", "gpu0"], r"argument --device: .*gpu0"),
+    (["--M", "4", "--N", "8", "--K", "16", "--device", "cuda:99"], r"fp8ref select: error: Case\.device is 'cuda:99'"),
     (["--M", "4", "--N", "8", "--K", "16", "--candidates", "cpu-fp33"], r"fp8ref select: error: no backend named "
                                                                          r"'cpu-fp33'"),
 ])

@@ -79,8 +79,9 @@ def _supports(backend: Backend, case: Case) -> str | None:
 def check_case(case: Case) -> None:
     """Raise ``TypeError``/``ValueError`` naming the field of ``case`` that no backend can be selected
     for: M < 0, N < 0, K < 1, a non-float ``x_dtype``, an ``out_dtype`` outside ``OUT_DTYPES``, a
-    recipe that is not a ``Recipe``. (``fp8ref.linear`` checks the caller's tensors before it
-    builds a case; this guards ``select``, ``resolve`` and ``fp8ref select``.)"""
+    recipe that is not a ``Recipe``, a device that is not one or is not present here. (``fp8ref.linear``
+    checks the caller's tensors before it builds a case; this guards ``select``, ``resolve`` and
+    ``fp8ref select``.)"""
     if not isinstance(case, Case):
         raise TypeError(f"case must be an fp8ref.Case, got {type(case).__name__}")
     for field, low in (("M", 0), ("N", 0), ("K", 1)):
@@ -94,6 +95,27 @@ def check_case(case: Case) -> None:
         raise TypeError(f"Case.x_dtype must be one of {[str(d) for d in X_DTYPES]}, got {case.x_dtype}")
     if case.out_dtype not in OUT_DTYPES:
         raise TypeError(f"Case.out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {case.out_dtype}")
+    _check_device(case.device)
+
+
+def _check_device(device: str) -> None:
+    """``Case.device`` names a device torch knows and this machine has (a probe allocates on it, and
+    the cache key asks for its name: both failed inside torch, e.g. ``Torch not compiled with CUDA``)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"Case.device must be a torch device string, got {device!r} ({exc})") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "meta":
+        raise ValueError("Case.device is 'meta', which holds no values: there is nothing to probe or time")
+    module = getattr(torch, dev.type, None)  # torch.cuda, torch.xpu, torch.mps: each has is_available()
+    if module is not None and hasattr(module, "is_available") and not module.is_available():
+        raise ValueError(f"Case.device is {device!r}, but torch.{dev.type}.is_available() is False here "
+                         f"(torch {torch.__version__})")
+    if dev.index is not None and hasattr(module, "device_count") and dev.index >= module.device_count():
+        raise ValueError(f"Case.device is {device!r}, but this machine has {module.device_count()} {dev.type} "
+                         "device(s)")
 
 
 def _empty_output(case: Case, precision: str, key: str) -> Decision:
