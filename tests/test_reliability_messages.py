@@ -248,6 +248,41 @@ def test_cli_select_rejects_bad_options_without_a_traceback(capsys, args, patter
     assert rc == 2 and re.search(pattern, err), (rc, err)
 
 
+# -- Output files of long commands ---------------------------------------------------------------
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the command started its work before checking where its result goes")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["bench", "--sections", "quant", "--json", "{bad}"], "--json"),
+    (["conformance", "--backend", "reference", "--json", "{bad}"], "--json"),
+    (["conformance", "--backend", "reference", "--markdown", "{bad}"], "--markdown"),
+    (["certify", "--peer", "onnxruntime-qdq", "--json", "{bad}"], "--json"),
+    (["certify", "--peer", "onnxruntime-qdq", "--output", "{bad}"], "--output"),
+], ids=lambda v: v if isinstance(v, str) else "-".join(a for a in v if a != "{bad}"))
+def test_unwritable_output_is_refused_before_the_work(tmp_path, monkeypatch, capsys, argv, option):
+    """An output file that cannot be written (here: under a regular file) was a traceback after the
+    whole run (minutes of benchmarking or certifying lost); now exit status 2 before any of it."""
+    pytest.importorskip("hypothesis")
+    import fp8ref.bench
+    import fp8ref.conformance
+    from fp8ref.cli import certify
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # certify sets it if unset; restored after the test
+    monkeypatch.setattr(fp8ref.bench, "run", _must_not_run)
+    monkeypatch.setattr(fp8ref.conformance, "check", _must_not_run)
+    monkeypatch.setattr(certify, "_certify_one", _must_not_run)
+    monkeypatch.setattr(certify, "_via_subprocess", _must_not_run)
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "out.json"
+    rc = main([str(bad) if a == "{bad}" else a for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(rf"^fp8ref {argv[0]}: {option}: cannot write {re.escape(str(bad))}: "
+                                 rf"{re.escape(str(bad.parent))} is not a directory$",
+                                 err, re.M), err
+
+
 # -- The selection cache file --------------------------------------------------------------------
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00not utf-8 \xc3\x28", b'{"schema": 1, "entries": {"k": "\xe9"}}'],

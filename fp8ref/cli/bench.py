@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .._io import unwritable_reason, write_text
 from ..bench import SECTIONS
 
 
@@ -99,6 +100,10 @@ def _command_line(args: argparse.Namespace) -> str:
 def _bench(args: argparse.Namespace) -> int:
     from .. import bench
 
+    reason = args.json and unwritable_reason(args.json)
+    if reason:
+        print(f"fp8ref bench: --json: {reason}", file=sys.stderr)
+        return 2
     if args.threads:
         import torch
 
@@ -113,7 +118,6 @@ def _bench(args: argparse.Namespace) -> int:
     res["meta"]["command"] = _command_line(args)
     print(bench.format_report(res))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
+        write_text(args.json, json.dumps(res, indent=1))
         print(f"\nwrote {args.json}")
     return 0

@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+from .._io import unwritable_reason, write_text
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("conformance", help="certify FP8 backends against the spec's contracts (property-based)")
@@ -73,6 +75,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.list:
         print(_contract_table())
         return 0
+    for opt, path in (("--json", args.json), ("--markdown", args.markdown)):
+        reason = path and unwritable_reason(path)
+        if reason:
+            print(f"fp8ref conformance: {opt}: {reason}", file=sys.stderr)
+            return 2
     if args.merge:
         reports = [r for path in args.merge for r in load_report(path)]
         table = merge_reports(reports)
@@ -101,8 +108,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _write(args: argparse.Namespace, reports, markdown: str) -> None:
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in reports], f, indent=2, default=str)
+        write_text(args.json, json.dumps([r.to_dict() for r in reports], indent=2, default=str))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown)
+        write_text(args.markdown, markdown)
