@@ -14,6 +14,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then ``os.replace`` it
     onto ``path``; on any failure the temporary file is removed and ``path`` is left untouched."""
     path = Path(path)
+    if path.is_dir():  # os.replace would fail only after the whole file was written beside it
+        raise IsADirectoryError(f"{path} is a directory, not a file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

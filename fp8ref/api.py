@@ -16,10 +16,9 @@ import weakref as _weakref
 import torch
 
 from . import select as _select
-from .kernels._common import BIAS_NON_FINITE, check_finite
+from .kernels._common import BIAS_NON_FINITE, check_codes, check_finite
 from .registry import Backend as _Backend
 from .registry import Case as _Case
-from .spec.formats import get_format
 from .spec.gemm import OUT_DTYPES, scaled_mm
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
@@ -36,28 +35,11 @@ def _is_fp8(dtype: torch.dtype) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks: one set for every entry point, in the order a caller should hear about them.
+# Argument checks: one set for every entry point, in the order a caller should hear about them
+# (check_codes, for a Quantized weight, lives beside check_finite in kernels/_common).
 
 
-def check_codes(q: Quantized, what: str) -> None:
-    """Raise ``ValueError`` naming ``what`` if the FP8 codes of ``q`` hold NaN/Inf or its scales are
-    not finite and > 0 (a checkpoint or a foreign quantizer can produce either; every backend
-    would turn them into NaN outputs)."""
-    fmt = get_format(q.data.dtype)
-    values = fmt.code_values()
-    bad_codes = torch.nonzero(~torch.isfinite(values)).flatten().to(torch.uint8).to(q.data.device)
-    if bad_codes.numel():
-        bad = torch.isin(q.data.view(torch.uint8), bad_codes)
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in bad.nonzero()[0])
-            code = int(q.data.view(torch.uint8)[idx])
-            raise ValueError(f"{what} holds {int(bad.sum())} {fmt.name} code(s) that decode to NaN/Inf (first: "
-                             f"0x{code:02x} at index {idx}); a quantized weight must hold finite values")
-    s = q.scale
-    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
-        idx = tuple(int(i) for i in (~torch.isfinite(s) | (s <= 0)).nonzero()[0])
-        raise ValueError(f"{what} has scale {s[idx].item()} at index {idx}: dequantization scales must be finite "
-                         "and > 0")
+_META = "fp8ref computes on values (the scales depend on them), so there is no shape-only (meta) run"
 
 
 def _check_x(x) -> None:
@@ -72,6 +54,8 @@ def _check_x(x) -> None:
         raise TypeError(f"x must have a float dtype {[str(d) for d in X_DTYPES]}, got {x.dtype}")
     if x.dim() < 1:
         raise ValueError("x must have at least one dim [..., K], got a 0-d tensor")
+    if x.device.type == "meta":
+        raise ValueError(f"x is on the meta device, which holds no values: {_META}")
 
 
 def _check_weight(w, recipe: Recipe) -> None:
@@ -80,6 +64,8 @@ def _check_weight(w, recipe: Recipe) -> None:
         if w.scheme != recipe.weight:
             raise ValueError(f"w was quantized as {w.scheme.short_str()}, recipe {recipe.name} expects "
                              f"{recipe.weight.short_str()}")
+        if w.data.device.type == "meta":
+            raise ValueError(f"w is on the meta device, which holds no values: {_META}")
         if w.data.shape[1] == 0:
             raise ValueError(f"w has 0 columns (shape {tuple(w.data.shape)}): the reduction dim K must be at least 1")
         check_codes(w, "w")
@@ -91,14 +77,18 @@ def _check_weight(w, recipe: Recipe) -> None:
                         "quantizes it once), or fp8ref.Quantized(codes, scale, recipe.weight)")
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if w.device.type == "meta":
+        raise ValueError(f"w is on the meta device, which holds no values: {_META}")
     check_float_input(w, "w")
 
 
-def _check_call(x: torch.Tensor, N: int, K: int, bias, out_dtype) -> torch.dtype:
-    """The per-call checks after the weight's: shapes, bias, output dtype (``_check_values`` then
-    scans the values). Returns the output dtype."""
+def _check_call(x: torch.Tensor, N: int, K: int, w_device: torch.device, bias, out_dtype) -> torch.dtype:
+    """The per-call checks after the weight's: shapes, devices, bias, output dtype (``_check_values``
+    then scans the values). Returns the output dtype."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but w is [{N}, {K}]")
+    if x.device != w_device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w_device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a float torch.Tensor [N] or None, got {type(bias).__name__}")
@@ -127,10 +117,10 @@ def check_linear_args(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.
     """Check the arguments of a linear ``y = x w^T + bias`` and return ``(recipe, out_dtype)``.
 
     What ``fp8ref.linear``, ``fp8ref.explain`` and ``reference_linear`` check before anything else
-    runs, in this order: x's type, dtype (float32/16, bfloat16, float64; not FP8) and rank; the
-    recipe; w's type, dtype, shape, values (float: finite; ``Quantized``: its scheme is the recipe's,
-    no NaN/Inf codes, finite positive scales); x's K against w's; bias's type, dtype, shape [N] and
-    device; ``out_dtype``; NaN/Inf in x and bias.
+    runs, in this order: x's type, dtype (float32/16, bfloat16, float64; not FP8), rank and device
+    (not meta); the recipe; w's type, dtype, shape, device, values (float: finite; ``Quantized``: its
+    scheme is the recipe's, no NaN/Inf codes, finite positive scales); x's K and device against w's;
+    bias's type, dtype, shape [N] and device; ``out_dtype``; NaN/Inf in x and bias.
 
     Raises
     ------
@@ -151,8 +141,9 @@ def check_linear_args(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.
     _check_x(x)
     recipe = get_recipe(recipe)
     _check_weight(w, recipe)
-    N, K = (w.data if isinstance(w, Quantized) else w).shape
-    od = _check_call(x, N, K, bias, out_dtype)
+    wt = w.data if isinstance(w, Quantized) else w
+    N, K = wt.shape
+    od = _check_call(x, N, K, wt.device, bias, out_dtype)
     _check_values(x, bias)
     return recipe, od
 
@@ -336,8 +327,6 @@ def _resolve_dispatch(entry: _WeightEntry, x: torch.Tensor, M: int, bias, backen
     if not recipe.activation.dynamic:
         raise ValueError(f"recipe {recipe.name!r} has a static activation scheme; fp8ref.linear quantizes "
                          "activations dynamically (use reference_linear(..., input_scale=) for static scales)")
-    if x.device != entry.qw.data.device:
-        raise ValueError(f"x is on {x.device} but the weight is on {entry.qw.data.device}")
     case = _Case(M=M, N=entry.N, K=entry.K, recipe=recipe, x_dtype=x.dtype, out_dtype=od, device=str(x.device),
                  has_bias=bias is not None)
     b, decision = _select.resolve(case, backend, precision)
@@ -419,7 +408,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     e = _WEIGHTS.get(wkey)
     if e is None or e.ref() is not w or e.version != _version(w):
         e = _weight_entry(w, get_recipe(recipe), wkey)
-    od = _check_call(x, e.N, e.K, bias, out_dtype)
+    od = _check_call(x, e.N, e.K, e.qw.data.device, bias, out_dtype)
     shape = x.shape
     x2 = x if len(shape) == 2 else x.reshape(-1, e.K)
     M = x2.shape[0]

@@ -86,6 +86,13 @@ CATALOGUE = [
      ALL),
     ("bias-nan", None, None, lambda: _nan((N,), 4), {}, ValueError,
      r"^bias contains 1 non-finite value\(s\) \(first: nan at index \(4,\)\)", ALL),
+    # meta tensors: a NaN scan of x called .item() on them ("Tensor.item() cannot be called on meta tensors")
+    ("x-meta", lambda: torch.randn(4, K, device="meta"), None, None, {}, ValueError,
+     r"^x is on the meta device, which holds no values", ALL),
+    ("w-meta", None, lambda: torch.randn(N, K, device="meta"), None, {}, ValueError,
+     r"^w is on the meta device, which holds no values", ALL),
+    ("bias-meta", None, None, lambda: torch.randn(N, device="meta"), {}, ValueError,
+     r"^bias is on meta but x is on cpu", ALL),
     ("out-int32", None, None, None, {"out_dtype": torch.int32}, TypeError,
      r"^out_dtype must be one of .* got torch\.int32", ALL),
     ("out-fp8", None, None, None, {"out_dtype": torch.float8_e4m3fn}, TypeError, r"^out_dtype must be one of", ALL),
@@ -368,6 +375,18 @@ def test_unreadable_checkpoint_names_the_file(tmp_path, damage):
     with pytest.raises(fp8ref.CheckpointError, match=re.escape(str(bad)) + ": not a readable safetensors file"):
         fp8ref.load_fp8_dynamic(model, bad)
     assert _unchanged(model, before)
+
+
+def test_saving_onto_a_directory_names_it_and_writes_nothing(tmp_path):
+    """It wrote the whole file into the parent folder, then failed to replace the directory with it
+    (`IsADirectoryError: '/.tmp.1tb83fy7.tmp' -> '/tmp'`)."""
+    model = Two()
+    fp8ref.quantize_model(model, skip=(), backend="reference")
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{target} is a directory, not a file to write")):
+        fp8ref.save_fp8_dynamic(model, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and not any(target.iterdir())
 
 
 def test_checkpoint_round_trip_still_loads(tmp_path):

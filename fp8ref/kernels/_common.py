@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from ..spec import quant
+from ..spec.formats import get_format
 from ..spec.gemm import check_operands
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
 __all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_finite", "check_mm_args", "empty_result",
-           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE"]
+           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,3 +243,23 @@ def segment_scale(q: Quantized, k0: int, dtype: torch.dtype = torch.float32) -> 
     col = q.scale[:, k0 // c].to(dtype)
     return col if r == 1 else col.repeat_interleave(r)[:rows]
 
+
+def check_codes(q: Quantized, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` if the FP8 codes of ``q`` hold NaN/Inf or its scales are
+    not finite and > 0 (a checkpoint or a foreign quantizer can produce either; every backend
+    would turn them into NaN outputs)."""
+    fmt = get_format(q.data.dtype)
+    values = fmt.code_values()
+    bad_codes = torch.nonzero(~torch.isfinite(values)).flatten().to(torch.uint8).to(q.data.device)
+    if bad_codes.numel():
+        bad = torch.isin(q.data.view(torch.uint8), bad_codes)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            code = int(q.data.view(torch.uint8)[idx])
+            raise ValueError(f"{what} holds {int(bad.sum())} {fmt.name} code(s) that decode to NaN/Inf (first: "
+                             f"0x{code:02x} at index {idx}); a quantized weight must hold finite values")
+    s = q.scale
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        idx = tuple(int(i) for i in (~torch.isfinite(s) | (s <= 0)).nonzero()[0])
+        raise ValueError(f"{what} has scale {s[idx].item()} at index {idx}: dequantization scales must be finite "
+                         "and > 0")
