@@ -4,7 +4,7 @@ Options
 -------
 ``--fp8ref-backend NAME``  certify this backend (repeatable; default: every registered backend,
                            unavailable ones reported as skipped with their reason).
-``--fp8ref-profile P``     dev, ci or thorough (default: ``$FP8REF_HYPOTHESIS_PROFILE``, else dev).
+``--fp8ref-profile P``     dev, ci or thorough (default: ``$FP8REF_HYPOTHESIS_PROFILE``, else ci).
 ``--fp8ref-seed S``        Hypothesis seed (default: the profile's fixed seed for ``ci``, which is
                            derandomized; else one random seed per session, printed in the
                            header and in every failure with the command that reproduces it).
@@ -52,8 +52,10 @@ def pytest_addoption(parser):
     _add(group, "--fp8ref-backend", action="append", default=None,
          help="certify this backend (repeatable); default: every registered backend")
     _add(group, "--fp8ref-profile", default=None, choices=("dev", "ci", "thorough"),
-         help="conformance profile (default: $FP8REF_HYPOTHESIS_PROFILE, else dev)")
-    _add(group, "--fp8ref-seed", type=int, default=None, help="Hypothesis seed for the conformance contracts")
+         help="conformance profile: ci (derandomized, finds the bugs), dev (quick), thorough (nightly); "
+              "default: $FP8REF_HYPOTHESIS_PROFILE, else ci")
+    _add(group, "--fp8ref-seed", type=int, default=None,
+         help="Hypothesis seed for the conformance contracts (default: the profile's; ci: fixed at 0)")
 
 
 def pytest_configure(config):
