@@ -38,6 +38,7 @@ from __future__ import annotations
 import pytest
 
 _SESSION_SEED = "_fp8ref_session_seed"
+_CERTIFIED = "_fp8ref_contracts_run"
 
 
 def _add(group, *args, **kwargs) -> None:
@@ -99,6 +100,16 @@ def pytest_report_header(config):
             f"--fp8ref-seed {session_seed(config)} reproduces)")
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line naming the profile and seed the session's contracts ran under (also under -q,
+    where the header is not shown)."""
+    n = getattr(config, _CERTIFIED, 0)
+    if n:
+        prof, seed = selected_profile(config), session_seed(config)
+        terminalreporter.write_line(f"fp8ref: {n} contract run(s) under the {prof} profile, seed {seed} "
+                                    f"(--fp8ref-seed {seed} reproduces; --fp8ref-profile dev for a quick run)")
+
+
 def selected_backend_names(config) -> list[str]:
     """The names given with ``--fp8ref-backend``, else every registered backend."""
     names = config.getoption("--fp8ref-backend", default=None)
@@ -149,11 +160,13 @@ def fp8ref_certify(request):
         results = []
         for c in CONTRACTS if contract is None else (get_contract(contract),):
             r = check_contract(b, c, profile, seed)
+            setattr(request.config, _CERTIFIED, getattr(request.config, _CERTIFIED, 0) + 1)
             request.node.user_properties.append((f"{b.name}:{r.contract}", r.status))
             results.append(r)
         failed = [r for r in results if r.failed]
         if failed:
-            msg = "\n".join(f"{r.contract} on {b.name} ({r.status}): {r.message}\n  minimal counterexample: "
+            msg = "\n".join(f"{r.contract} on {b.name} ({r.status}, {profile} profile, seed {seed}): {r.message}"
+                            "\n  minimal counterexample: "
                             f"{r.counterexample}\n  reproduce: {r.reproduce}" for r in failed)
             pytest.fail(msg, pytrace=False)
         if all(r.status == "n/a" for r in results):
