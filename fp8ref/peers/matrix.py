@@ -157,6 +157,16 @@ def recorded_verdicts(text: str) -> dict[str, dict[str, str]]:
     return json.loads(m.group(1)) if m else {}
 
 
+def _detail(cert: Certificate, contract: str) -> str:
+    """What the fresh run said about ``contract``: its message, counterexample and reproduction."""
+    for r in cert.report.results:
+        if r.contract == contract:
+            parts = [r.message or r.note or "", f"counterexample {r.counterexample}" if r.counterexample else "",
+                     f"reproduce: {r.reproduce}" if r.reproduce else ""]
+            return "; ".join(p for p in parts if p)
+    return ""
+
+
 def compare(certs: Sequence[Certificate], recorded: dict[str, dict[str, str]]) -> list[str]:
     """Differences between fresh certificates and recorded verdicts (empty: the matrix is current)."""
     diffs = []
@@ -168,5 +178,7 @@ def compare(certs: Sequence[Certificate], recorded: dict[str, dict[str, str]]) -
             continue
         for contract in sorted(set(want) | set(got)):
             if want.get(contract) != got.get(contract):
-                diffs.append(f"{c.peer} {contract}: recorded {want.get(contract)}, now {got.get(contract)}")
+                line = f"{c.peer} {contract}: recorded {want.get(contract)}, now {got.get(contract)}"
+                why = _detail(c, contract)
+                diffs.append(f"{line} ({why})" if why else line)
     return diffs
