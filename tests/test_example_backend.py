@@ -38,7 +38,8 @@ def installed(tmp_path_factory):
     site = tmp / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "--target", str(site), str(proj)], check=True, capture_output=True, text=True, timeout=300)
-    env = dict(os.environ, PYTHONPATH=str(site), FP8REF_HYPOTHESIS_PROFILE="ci", FP8REF_PROGRESS="0",
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, FP8REF_HYPOTHESIS_PROFILE="ci", FP8REF_PROGRESS="0",
                FP8REF_CACHE_DIR=str(tmp / "cache"))
     return proj, site, env
 
