@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="one shape (K=N=4096), M in {1,16}, small tensors: well under a minute on a CPU")
     p.add_argument("--json", metavar="FILE", type=Path, help="also write every figure to FILE as JSON")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device the backends run on")
     p.add_argument("--backend", action="append", metavar="NAME",
                    help="only this backend (repeatable); default: every backend available on the device")
     p.add_argument("--shape", action="append", type=_shape, metavar="KxN",

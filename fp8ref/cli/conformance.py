@@ -28,8 +28,10 @@ def add_parser(sub) -> None:
     who.add_argument("--all", action="store_true", help="every registered backend (the default)")
     who.add_argument("--merge", nargs="+", metavar="JSON", help="merge JSON reports of earlier runs into one table")
     p.add_argument("--profile", choices=("dev", "ci", "thorough"), default=None,
-                   help="search budget (default: $FP8REF_HYPOTHESIS_PROFILE, else dev)")
-    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
+                   help="search budget: ci (derandomized, finds the bugs), dev (quick), thorough (nightly); "
+                        "default: $FP8REF_HYPOTHESIS_PROFILE, else ci")
+    p.add_argument("--seed", type=int, default=None,
+                   help="Hypothesis seed (default: the profile's: fixed at 0 for ci, random and printed otherwise)")
     p.add_argument("--only", action="append", metavar="CONTRACT", help="run only this contract (repeatable)")
     p.add_argument("--known-failures", metavar="PY",
                    help="ledger of known upstream failures (default: properties/known_failures.py if present)")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._progress import progress
 from ..registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend
 from ..spec.bounds import PrecisionClass
 from ..spec.gemm import OUT_DTYPES
@@ -152,12 +153,21 @@ def _check_precision(precision: str | PrecisionClass) -> str:
 
 
 def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -> Decision:
+    # Probing and timing take seconds per backend: a bar says which one (on a terminal, after 2 s).
+    with progress(total=len(cands), desc=f"fp8ref: selecting a backend for {case.short_str()}",
+                  unit="step") as bar:
+        return _probe_time_rank(case, precision, cands, key, bar)
+
+
+def _probe_time_rank(case: Case, precision: str, cands: list[Backend], key: str, bar) -> Decision:
     t_start = timing.clock()
     req = PrecisionClass(precision)
     rows: list[Row] = []
     probed: list[tuple[Backend, Row, ProbeResult]] = []
     probe_set: ProbeSet | None = None
     for b in cands:
+        bar.set_postfix_str(f"probing {b.name}")
+        bar.update(1)
         row = Row(backend=b.name, precision=b.precision.value)
         rows.append(row)
         row.available = available_reason(b)
@@ -190,7 +200,10 @@ def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -
     if len(probed) > 1:
         best: float | None = None
         timers: dict[str, Callable[[], float]] = {}
+        bar.total += len(probed)
         for b, row, _ in sorted(probed, key=lambda t: t[1].estimate_s):
+            bar.set_postfix_str(f"timing {b.name}")
+            bar.update(1)
             if b.name == "reference":
                 # The spec computes in float64 and is never faster than a real kernel: it is the
                 # last-resort fallback, ranked last without spending the timing budget on it.
