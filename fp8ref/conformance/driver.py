@@ -20,6 +20,7 @@ from hypothesis import Verbosity, given, reject, settings
 from hypothesis import seed as hseed
 from hypothesis.errors import HypothesisException, Unsatisfiable
 
+from .._progress import progress
 from ..registry import Backend, get_backend
 from ..spec.schemes import QuantScheme, Recipe
 from .contracts import CONTRACTS, Contract, Declined, get_contract, reference_threads
@@ -62,12 +63,17 @@ def _profile_for(backend: Backend, prof: Profile) -> Profile:
     """The profile for ``backend``: a backend that pays per element (the Triton interpreter) sets
     ``conformance_max_elems``; it then gets operands of at most that many elements and hint/128
     rows (such kernels also pay per row program), the secondary contracts run every fourth sweep
-    item, and the search runs ``slow_examples`` examples per contract (a count, never a time: the
-    verdict must not depend on the machine's speed). The report says so."""
+    item, and the search runs ``slow_examples`` examples per contract. A backend's optional
+    ``conformance_max_examples`` hint lowers the search's example count further. All of these are
+    counts, never times: a derandomized profile checks the same examples on every machine. The
+    report says so."""
     hint = getattr(backend, "conformance_max_elems", None)
     if isinstance(hint, int) and 0 < hint < prof.max_elems:
-        return prof.with_(max_elems=hint, max_rows=min(prof.max_rows, max(1, hint // 128)), sweep_stride=4,
+        prof = prof.with_(max_elems=hint, max_rows=min(prof.max_rows, max(1, hint // 128)), sweep_stride=4,
                           max_examples=min(prof.max_examples, prof.slow_examples))
+    hint = getattr(backend, "conformance_max_examples", None)
+    if isinstance(hint, int) and 0 < hint < prof.max_examples:
+        prof = prof.with_(max_examples=hint)
     return prof
 
 
@@ -365,10 +371,11 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
                  accumulation=backend.accumulation.name, output_roundings=backend.output_roundings,
                  claimed=_claimed(backend, scope))
     eff = _profile_for(backend, prof)
-    if eff.max_elems != prof.max_elems:
-        rep.profile = (f"{prof.name} (backend hint: max {eff.max_elems} elements and {eff.max_rows} rows per "
-                       f"operand, secondary contracts on every {eff.sweep_stride}th sweep item, "
-                       f"{eff.max_examples} search examples per contract)")
+    hints = ([f"max {eff.max_elems} elements and {eff.max_rows} rows per operand, secondary contracts on every "
+              f"{eff.sweep_stride}th sweep item"] if eff.max_elems != prof.max_elems else []) + (
+        [f"{eff.max_examples} search examples per contract"] if eff.max_examples != prof.max_examples else [])
+    if hints:
+        rep.profile = f"{prof.name} ({', '.join(hints)}, backend hint)"
     try:
         reason = backend.available()
     except Exception as exc:
@@ -378,13 +385,17 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
         return rep
     t0 = time.perf_counter()
     selected = CONTRACTS if contracts is None else tuple(get_contract(c) for c in contracts)
-    for c in selected:
-        r = check_contract(backend, c, prof, seed, max_examples, sweep, scope)
-        rep.results.append(r)
-        if c.name == "scaled_mm.batch_invariant":
-            rep.batch_invariant = r.status if r.status in (YES, NO) else None
-        if fail_fast and r.failed:
-            break
+    with progress(total=len(selected), desc=f"certifying {backend.name} ({prof.name} profile)",
+                  unit="contract") as bar:
+        for c in selected:
+            bar.set_postfix_str(c.name)
+            r = check_contract(backend, c, prof, seed, max_examples, sweep, scope)
+            bar.update(1)
+            rep.results.append(r)
+            if c.name == "scaled_mm.batch_invariant":
+                rep.batch_invariant = r.status if r.status in (YES, NO) else None
+            if fail_fast and r.failed:
+                break
     if any(r.contract == "scaled_mm.accumulator_bits" and r.status != NOT_CLAIMED for r in rep.results):
         try:
             rep.accumulator_bits = accumulator_bits(backend)

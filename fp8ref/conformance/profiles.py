@@ -1,7 +1,7 @@
 """Conformance profiles: how hard the suite searches (examples per contract, largest shapes).
 
-Three profiles, chosen with the environment variable ``FP8REF_HYPOTHESIS_PROFILE`` (tox sets
-``ci``) or explicitly (``check(backend, profile="thorough")``):
+Three profiles, chosen with the environment variable ``FP8REF_HYPOTHESIS_PROFILE`` or explicitly
+(``check(backend, profile="thorough")``); the default everywhere is ``ci``:
 
 ========  ========  ========  =====  ==========  ===========  =====================================
 profile   examples  max M, N  max K  max elems   budget/contr  use
@@ -9,20 +9,7 @@ profile   examples  max M, N  max K  max elems   budget/contr  use
 dev       6         33        160    2048        2 s           editing a kernel: seconds per backend
 ci        16        64        272    16384       none          every push: one backend in < 60 s
 thorough  200       256       4097   unlimited   300 s         nightly: K = 4097, 1-element groups
-========  ========  ========  =====  ==========  ===========  =====================================
-
-Before the random search, every contract runs the profile's *corner sweep* (``sweep.py``): a fixed
-list of problems generated for the backend, one or more per bug class -- every size 1, t-1, t,
-t+1 for t in ``thresholds`` on each axis (and ``large_rows`` rows, ``long_k`` columns) with the
-other axes small, extreme values at the first/last element and tile edges, static scales, scale
-grids that are not 1 x n, every format's corners, cancelling biases, swamped accumulators. The
-search budget (examples, time) does not cut the sweep short.
-
-``ci`` has no time budget: its work is bounded by example counts and sizes only, so its verdict
-does not depend on the speed of the machine (a wall-clock budget that cuts examples would make
-a slow CI machine run fewer of them than a fast one). ``dev`` and ``thorough`` explore with a
-fresh seed anyway, so a time budget there costs no reproducibility.
-
+========  ========  ========  =====  ==========  ===========  ==============================
 Each profile is also registered as a Hypothesis settings profile named ``fp8ref-<name>``
 (no example database, so parallel workers share no state; no deadline, because a reference
 GEMM's time depends on the shape drawn).
@@ -30,6 +17,7 @@ GEMM's time depends on the shape drawn).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass, replace
@@ -61,9 +49,8 @@ class Profile:
         kernels launched per group, so only in ``thorough``).
     time_budget_s : float or None
         Soft time budget per contract: once spent, no new example starts (the report gives the
-        number of examples that ran). Shrinking a failure is not cut short. None: no time budget
-        (``ci``: the work is bounded by counts and sizes, so the verdict does not depend on the
-        machine's speed).
+        number of examples that ran). Shrinking a failure is not cut short. ``inf`` (``ci``):
+        no budget, so the examples checked never depend on the machine's speed.
     shrink : bool
         Shrink a failing example to a minimal one (off only for the mutant self-test, which
         needs a verdict, not a counterexample).
@@ -119,7 +106,7 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "dev": Profile("dev", max_examples=6, max_mn=33, max_k=160, max_elems=2048, time_budget_s=2.0,
                    thresholds=(8, 16, 64, 128), large_rows=(256,), long_k=(1024,), max_rows=257),
-    "ci": Profile("ci", max_examples=16, slow_examples=4, max_mn=64, max_k=272, max_elems=16384, time_budget_s=None,
+    "ci": Profile("ci", max_examples=16, slow_examples=4, max_mn=64, max_k=272, max_elems=16384, time_budget_s=math.inf,
                   derandomize=True, thresholds=(8, 16, 32, 64, 128, 256), large_rows=(1024,), long_k=(1024, 4096),
                   max_rows=1025),
     "thorough": Profile("thorough", max_examples=200, max_mn=256, max_k=4097, tiny_blocks=True,
@@ -150,8 +137,10 @@ def boundary_sizes(profile: Profile, axis: str) -> list[int]:
 
 
 def default_profile_name() -> str:
-    """``$FP8REF_HYPOTHESIS_PROFILE`` if set, else ``dev``."""
-    name = os.environ.get(ENV_VAR, "dev")
+    """``$FP8REF_HYPOTHESIS_PROFILE`` if set, else ``ci``: the profile that finds the bugs, and the
+    one default of ``check()``, the pytest fixture, ``pytest properties`` and the CLI (``dev`` is
+    the quick one for editing a kernel)."""
+    name = os.environ.get(ENV_VAR) or "ci"
     if name not in PROFILES:
         raise ValueError(f"{ENV_VAR}={name!r} is not a profile; choose one of {sorted(PROFILES)}")
     return name

@@ -100,6 +100,9 @@ def run_contracts(peer: Peer, profile="ci", seed: int | None = None, contracts: 
     hint = getattr(peer, "conformance_max_elems", None)
     if isinstance(hint, int) and hint < prof.max_elems:
         rep.profile = f"{prof.name} (max {hint} elements per operand, backend hint)"
+    hint = getattr(peer, "conformance_max_examples", None)
+    if isinstance(hint, int) and hint < prof.max_examples:
+        rep.profile += f" ({hint} drawn examples per contract, backend hint)"
     budget = getattr(peer, "time_budget_s", None)
     # ci has no time budget (its work is bounded by counts: the verdict must not depend on the
     # machine's speed); a peer's hint only widens the budget of the exploring profiles

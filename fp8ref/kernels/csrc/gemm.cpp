@@ -60,10 +60,16 @@ void rows_scalar(const float* ad, int64_t M, int64_t K, const uint8_t* b, int64_
 
 // out[m, n] = (acc * 2^16) * sa[m] * sb[n] (+ bias[n]), fp32.
 at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8_e4m3_gemm: a [M, K] and b [N, K] must be 2-D, got shapes ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "fp8_e4m3_gemm: a and b must be CPU tensors");
   TORCH_CHECK(a.dtype() == at::kByte && b.dtype() == at::kByte, "codes must be uint8 views");
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "codes must be contiguous");
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(b.size(1) == K, "K mismatch");
+  check_fp32_vector(sa, M, "fp8_e4m3_gemm", "sa");
+  check_fp32_vector(sb, N, "fp8_e4m3_gemm", "sb");
+  if (has_bias) check_fp32_vector(bias, N, "fp8_e4m3_gemm", "bias");
   auto out = at::empty({M, N}, at::dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   std::vector<float> ad(M * K);

@@ -154,9 +154,14 @@ float quant_row_scalar(const void* x, int64_t K, int t, float qmax, float floor,
 std::vector<at::Tensor> quant_rows(at::Tensor x, double qmax, double floor, int64_t mant, int64_t emin,
                                    int64_t bias, bool negzero, int64_t mode, bool vector) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D tensor");
+  TORCH_CHECK(x.device().is_cpu(), "quant_rows: x must be a CPU tensor, got ", x.device());
   const auto st = x.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "x must be fp32/bf16/fp16");
   TORCH_CHECK(mode >= 0 && mode <= 2, "mode must be 0, 1 or 2");
+  // The rounding shifts by 23 - mant bits and the scale divides by qmax: keep both well defined.
+  TORCH_CHECK(mant >= 1 && mant <= 7, "quant_rows: an FP8 format has 1 to 7 mantissa bits, got ", mant);
+  TORCH_CHECK(std::isfinite(qmax) && qmax > 0 && std::isfinite(floor) && floor >= 0,
+              "quant_rows: qmax must be finite and > 0 and floor finite and >= 0, got ", qmax, " and ", floor);
   const int t = st == at::kFloat ? 0 : (st == at::kBFloat16 ? 1 : 2);
   const int64_t M = x.size(0), K = x.size(1);
   const auto odt = mode == 0 ? at::kByte : (mode == 1 ? at::kBFloat16 : at::kFloat);
