@@ -1,6 +1,7 @@
 """The compiled CPU extension's fused pieces against the spec, bit for bit.
 
-``quant_rows`` (per-row dynamic quantization to codes, or to the exact FP8 values in bf16/fp32),
+``quant_blocks`` (dynamic quantization with tensor, row, group or block scales, to codes or to the
+exact FP8 values in bf16/fp32, on each code path the CPU runs: scalar, AVX2, AVX-512),
 ``scale_epilogue`` (the CPU backends' fp32 scale-and-bias epilogue), the packed ``cpu-fp8`` GEMM
 and ``Backend.linear`` — every one claims to compute the spec's expressions in the spec's order,
 so each is compared for *equal bits* (quantization, epilogue) or against the derived fp32 bound
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import fp8ref
+from fp8ref._machine import cpu_model
 from fp8ref.kernels import _common, cpu, cpu_fp8, native
 from fp8ref.spec import bounds, gemm, quant
 from fp8ref.spec.formats import E4M3FN, E4M3FNUZ, E5M2
@@ -60,57 +62,123 @@ def _inputs(fmt, dtype, seed):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "scalar"])
+#: The quantizer's code paths: each runs where the CPU has its instructions, else skips saying so.
+ISAS = {"scalar": (0, ""), "avx2": (1, "avx2 + f16c"), "avx512": (2, "avx512f + avx512bw")}
+
+
+def _isa(mod, name):
+    level, flags = ISAS[name]
+    if level > mod.cpu_isa():
+        pytest.skip(f"this CPU ({cpu_model()}) lacks {flags}: the {name} path cannot run here")
+    return level
+
+
+def _schemes(fmt):
+    """Every granularity, with segments that are and are not multiples of the vector widths, plus
+    the scale options (no floor, a smaller qmax, power-of-two scales)."""
+    f = FORMATS[fmt]
+    base = [QuantScheme(format=fmt), QuantScheme(format=fmt, granularity="tensor"),
+            QuantScheme(format=fmt, granularity="group", group_size=16),
+            QuantScheme(format=fmt, granularity="group", group_size=7),
+            QuantScheme(format=fmt, granularity="group", group_size=128),
+            QuantScheme(format=fmt, granularity="block", block=(3, 5)),
+            QuantScheme(format=fmt, granularity="block", block=(4, 64))]
+    opts = [dict(amax_floor=0.0), dict(qmax=f.max / 2), dict(pow2_scale=True)]
+    return base + [s.with_(**o) for s in base[:2] + base[5:6] for o in opts]
+
+
+def _check_native_quant(x, scheme, isa):
+    """Codes, bf16 and fp32 values and scales of every mode equal the spec's, signs of zeros too."""
+    ref = quant.quantize(x, scheme)
+    vals = ref.data.to(torch.float32)
+    for mode in (0, 1, 2):
+        out, s, amax = _common.native_quant(x, scheme, mode, isa)
+        assert torch.equal(s, ref.scale), (mode, scheme.short_str())
+        assert bool(torch.isfinite(amax).all())
+        if mode == 0:
+            assert torch.equal(out, ref.data.view(torch.uint8)), (mode, scheme.short_str())
+        else:
+            assert out.dtype == (torch.bfloat16 if mode == 1 else torch.float32)
+            got = out.to(torch.float32)
+            assert torch.equal(got, vals), (mode, scheme.short_str())
+            assert torch.equal(torch.signbit(got), torch.signbit(vals)), ("sign of zero", mode, scheme.short_str())
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
-def test_quant_rows_equals_spec(mod, fmt, dtype, vector):
+def test_native_quant_equals_spec(mod, fmt, dtype, isa):
+    """formats x input dtypes x code paths x schemes (every granularity and scale option), on rows
+    of ties, subnormals, saturation, signed zeros, a zero row and huge dynamic ranges."""
+    level = _isa(mod, isa)
     f = FORMATS[fmt]
-    for seed, scheme in enumerate([QuantScheme(format=fmt), QuantScheme(format=fmt, amax_floor=0.0),
-                                   QuantScheme(format=fmt, qmax=f.max / 2)]):
+    for seed, scheme in enumerate(_schemes(fmt)):
         x = _inputs(f, DTYPES[dtype], seed)
         if not bool(torch.isfinite(x).all()):
             x = torch.nan_to_num(x, posinf=0.0, neginf=0.0)  # fp16 cannot hold E5M2's max
-        ref = quant.quantize(x, scheme)
-        args = (scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme))
-        for mode in (0, 1, 2):
-            out, s, amax = mod.quant_rows(x.contiguous(), *args, mode, vector)
-            assert torch.equal(s, ref.scale), (mode, scheme)
-            assert bool(torch.isfinite(amax).all())
-            if mode == 0:
-                assert torch.equal(out, ref.data.view(torch.uint8)), (mode, scheme)
-            else:
-                vals = ref.data.to(torch.float32)
-                assert out.dtype == (torch.bfloat16 if mode == 1 else torch.float32)
-                assert torch.equal(out.to(torch.float32), vals)
-                assert torch.equal(torch.signbit(out.to(torch.float32)), torch.signbit(vals)), "sign of zero"
+        _check_native_quant(x, scheme, level)
 
 
-def test_quant_rows_random_many_shapes(mod):
-    """10^5-ish random elements over shapes with K from 1 to 300 (vector tails of every length)."""
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_native_quant_every_bit_pattern(mod, dtype, isa):
+    """All 65,536 bf16 / fp16 bit patterns (the finite ones) through every format and granularity."""
+    level = _isa(mod, isa)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(DTYPES[dtype])
+    x = x[torch.isfinite(x)]
+    x = torch.cat([x, torch.zeros((-x.numel()) % 256, dtype=x.dtype)]).reshape(-1, 256)
+    for fmt in FORMATS:
+        for scheme in _schemes(fmt)[:7]:
+            _check_native_quant(x, scheme, level)
+
+
+def test_native_quant_random_many_shapes(mod):
+    """Random rows with K from 1 to 300 (vector tails of every length) and group/block edges."""
     g = torch.Generator().manual_seed(0)
-    scheme = QuantScheme()
     for K in list(range(1, 40)) + [127, 128, 129, 300]:
         x = (torch.randn(7, K, generator=g) * torch.exp(torch.randn(7, 1, generator=g) * 6)).to(torch.bfloat16)
-        out, s, _ = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 0, True)
-        ref = quant.quantize(x, scheme)
-        assert torch.equal(out, ref.data.view(torch.uint8)) and torch.equal(s, ref.scale), K
+        for scheme in (QuantScheme(), QuantScheme(granularity="group", group_size=16),
+                       QuantScheme(granularity="block", block=(2, 8)), QuantScheme(granularity="tensor")):
+            ref = quant.quantize(x, scheme)
+            q = _common.fast_quantize(x, scheme)
+            assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)), (K, scheme.short_str())
+            assert torch.equal(q.scale, ref.scale), (K, scheme.short_str())
 
 
+@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_quant_rows_flags_non_finite_rows_and_fast_quantize_raises(mod, bad):
+def test_native_quant_flags_non_finite_blocks_and_fast_quantize_raises(mod, bad, isa):
+    level = _isa(mod, isa)
     x = torch.randn(3, 40)
     x[1, 37] = bad  # in the scalar tail of the vector path
     scheme = QuantScheme()
-    _, _, amax = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 1, True)
+    _, _, amax = _common.native_quant(x, scheme, 1, level)
     assert math.isinf(float(amax[1])) and bool(torch.isfinite(amax[[0, 2]]).all())
     x[1, 37] = 0.0
     x[2, 3] = bad  # in the vector body
-    _, _, amax = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 1, True)
+    _, _, amax = _common.native_quant(x, scheme, 1, level)
     assert math.isinf(float(amax[2]))
-    with pytest.raises(ValueError, match="NaN|Inf|finite"):
-        _common.fast_quantize(x, scheme)
+    groups = QuantScheme(granularity="group", group_size=16)
+    _, _, amax = _common.native_quant(x, groups, 0, level)
+    assert math.isinf(float(amax[2, 0])) and int(torch.isfinite(amax).sum()) == amax.numel() - 1
+    for s in (scheme, groups, QuantScheme(granularity="tensor"), QuantScheme(granularity="block", block=(2, 8))):
+        with pytest.raises(ValueError, match="NaN|Inf|finite"):
+            _common.fast_quantize(x, s)
     with pytest.raises(ValueError, match="NaN|Inf|finite"):
         fp8ref.get_backend("cpu-bf16").linear(x.to(torch.bfloat16), _weight(40, 8, "cpu-bf16"))
+
+
+def test_native_quant_scale_overflow_raises_like_the_spec(mod):
+    """amax / qmax beyond fp32 (a tiny qmax): the spec raises, so must the fast path."""
+    scheme = QuantScheme(qmax=float.fromhex("0x1p-9"), granularity="group", group_size=4)
+    x = torch.ones(2, 8)
+    x[1, 5] = 1e37
+    with pytest.raises(ValueError, match="overflows") as want:
+        quant.quantize(x, scheme)
+    with pytest.raises(ValueError, match="overflows") as got:
+        _common.fast_quantize(x, scheme)
+    assert str(got.value) == str(want.value)
 
 
 def _weight(K, N, backend):

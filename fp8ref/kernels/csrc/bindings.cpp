@@ -6,10 +6,11 @@
 #include "fp8ref_cpu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fp8ref's CPU kernels: cpu-fp8's E4M3FN GEMMs, the fused per-row quantizer, the scale epilogue";
+  m.doc() = "fp8ref's CPU kernels: cpu-fp8's E4M3FN GEMMs, the fused quantizer, the scale epilogue";
   m.def("fp8_e4m3_gemm", &fp8ref::fp8_e4m3_gemm);
   m.def("fp8_e4m3_gemm_packed", &fp8ref::fp8_e4m3_gemm_packed);
   m.def("has_bf16_dot", &fp8ref::has_bf16_dot);
-  m.def("quant_rows", &fp8ref::quant_rows);
+  m.def("cpu_isa", &fp8ref::cpu_isa);
+  m.def("quant_blocks", &fp8ref::quant_blocks);
   m.def("scale_epilogue", &fp8ref::scale_epilogue);
 }

@@ -4,9 +4,10 @@
 // Built by fp8ref/kernels/native.py with torch.utils.cpp_extension.load and the flags
 // -O3 -fopenmp -ffp-contract=off. The last one is load-bearing: without it GCC fuses v * s + b
 // into one FMA (one rounding instead of two), and the epilogue is no longer bit-identical to the
-// eager torch code (tests/test_native.py). Every AVX-512 function carries its own target
-// attribute and runs only after a __builtin_cpu_supports check, so one build serves every x86-64
-// CPU: the scalar loops are the fallback.
+// eager torch code (tests/test_native.py). Every AVX-512, AVX2 or AMX function carries its own
+// target attribute and runs only after a run-time check of the CPU (__builtin_cpu_supports, and for
+// AMX the kernel's permission), so one build serves every x86-64 CPU: the scalar loops are the
+// fallback.
 #pragma once
 
 // The light ATen headers, not ATen/ATen.h: every translation unit compiles in about half the time.
@@ -30,9 +31,12 @@ bool has_bf16_dot();
 at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                                 at::Tensor sb, at::Tensor bias, bool has_bias);
 
-// quant.cpp: per-row dynamic quantization, bit-identical to fp8ref.spec.quant.quantize.
-std::vector<at::Tensor> quant_rows(at::Tensor x, double qmax, double floor, int64_t mant, int64_t emin,
-                                   int64_t bias, bool negzero, int64_t mode, bool vector);
+// quant.cpp: dynamic quantization with r x c blocks of one scale, bit-identical to
+// fp8ref.spec.quant.quantize; cpu_isa() is the best code path this CPU runs (0 scalar, 1 AVX2 + F16C,
+// 2 AVX-512), which every kernel file checks the same way.
+int64_t cpu_isa();
+std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double qmax, double floor, int64_t mant,
+                                     int64_t emin, int64_t bias, bool negzero, bool pow2, int64_t mode, int64_t isa);
 
 // epilogue.cpp: out = round((y * sa[m]) * sb[n] (+ bias[n])), the eager epilogue's order.
 at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
@@ -57,6 +61,14 @@ __attribute__((target("avx512f,avx512bw"))) static inline __m512 load16(const vo
   const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
   if (t == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   return _mm512_cvtph_ps(h);
+}
+
+// Elements i .. i + 7 of the same, widened exactly to fp32 (AVX2 + F16C).
+__attribute__((target("avx2,f16c"))) static inline __m256 load8(const void* p, int64_t i, int t) {
+  if (t == 0) return _mm256_loadu_ps((const float*)p + i);
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+  if (t == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
 }
 
 // The bf16 bits of f, rounded to nearest even; NaN stays NaN (c10::BFloat16's rounding).
