@@ -19,17 +19,29 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace fp8ref {
 
-// gemm.cpp: out[m, n] = (acc * 2^16) * sa[m] * sb[n] (+ bias[n]) in fp32, from E4M3FN codes.
-at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias);
+// gemm.cpp: out[m, n] = (acc * 2^16) * sa[m] * sb[n] (+ bias[n]) in fp32, from E4M3FN codes; gemm_isa()
+// is its best code path on this CPU (0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512 + F16C).
+int64_t gemm_isa();
+at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
+                         int64_t isa);
 
 // gemm_packed.cpp: the same from a weight packed as [N/16, K/2, 16, 2] (avx512_bf16 only).
 bool has_bf16_dot();
 at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                                 at::Tensor sb, at::Tensor bias, bool has_bias);
+
+// gemm_amx.cpp: the same as fp8_e4m3_gemm_packed (no 2^16) on AMX tiles, or on their emulation
+// (emulate = true, any CPU). amx_status() is "" where the real tiles can run, else why not (it asks
+// the OS for AMX permission the first time); amx_emu_tdpbf16ps runs one emulated instruction.
+std::string amx_status();
+at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
+                             at::Tensor sb, at::Tensor bias, bool has_bias, bool emulate);
+at::Tensor amx_emu_tdpbf16ps(at::Tensor c, at::Tensor a, at::Tensor b);
 
 // quant.cpp: dynamic quantization with r x c blocks of one scale, bit-identical to
 // fp8ref.spec.quant.quantize; cpu_isa() is the best code path this CPU runs (0 scalar, 1 AVX2 + F16C,
@@ -41,6 +53,15 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
 // epilogue.cpp: out = round((y * sa[m]) * sb[n] (+ bias[n])), the eager epilogue's order.
 at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
                           bool out_bf16);
+
+// The GEMMs' epilogue operands: sa [M] and sb [N] fp32, bias [N] fp32 when has_bias, contiguous.
+static inline void check_epilogue_args(const at::Tensor& sa, const at::Tensor& sb, const at::Tensor& bias,
+                                       bool has_bias, int64_t M, int64_t N) {
+  TORCH_CHECK(sa.scalar_type() == at::kFloat && sa.is_contiguous() && sa.numel() == M, "sa must be fp32 [M]");
+  TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == N, "sb must be fp32 [N]");
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
+              "bias must be fp32 [N]");
+}
 
 // Element i of a row of fp32 (t = 0), bf16 (t = 1) or fp16 (t = 2), widened exactly to fp32.
 static inline float load_one(const void* p, int64_t i, int t) {

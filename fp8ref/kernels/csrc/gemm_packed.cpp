@@ -73,11 +73,13 @@ at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special,
                                 at::Tensor sb, at::Tensor bias, bool has_bias) {
   TORCH_CHECK(has_bf16_dot(), "the packed cpu-fp8 path needs avx512_bf16");
   TORCH_CHECK(a.dtype() == at::kByte && pb.dtype() == at::kByte, "codes must be uint8 views");
-  TORCH_CHECK(a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4, "contiguous a, packed [N16, K2, 16, 2] b");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4,
+              "contiguous a, packed [N16, K2, 16, 2] b");
   const int64_t M = a.size(0), K = a.size(1), N16 = pb.size(0), K2 = pb.size(1);
   TORCH_CHECK(K2 == (K + 1) / 2 && N16 == (N + 15) / 16 && pb.size(2) == 16 && pb.size(3) == 2, "packed shape");
   TORCH_CHECK(special.dtype() == at::kByte && special.is_contiguous() && special.numel() == N16 * K2,
               "special must be uint8 [N16, K2]");
+  check_epilogue_args(sa, sb, bias, has_bias, M, N);
   const uint8_t* spp = special.data_ptr<uint8_t>();
   auto out = at::empty({M, N}, at::dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
