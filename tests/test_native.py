@@ -186,9 +186,11 @@ def _weight(K, N, backend):
     return be.prepare_weight(quant.quantize(torch.randn(N, K), fp8ref.W8A8_FP8.weight))
 
 
+@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("out_bf16", [True, False], ids=["out-bf16", "out-fp32"])
 @pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32], ids=["y-bf16", "y-fp32"])
-def test_scale_epilogue_equals_eager(mod, y_dtype, out_bf16):
+def test_scale_epilogue_equals_eager(mod, y_dtype, out_bf16, isa):
+    level = _isa(mod, isa)
     g = torch.Generator().manual_seed(1)
     y = (torch.randn(37, 53, generator=g) * 100).to(y_dtype)
     y[0, :4] = torch.tensor([0.0, -0.0, 3e38, -3e38])  # zeros and overflow to +-inf after scaling
@@ -197,16 +199,19 @@ def test_scale_epilogue_equals_eager(mod, y_dtype, out_bf16):
     bias = torch.randn(53, generator=g)
     out_dtype = torch.bfloat16 if out_bf16 else torch.float32
     for b in (None, bias):
-        got = cpu._native_epilogue(y.clone(), sa, sb, b, out_dtype)
+        got = mod.scale_epilogue(y.clone(), sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
+                                 sa.reshape(-1) if b is None else b, b is not None, out_bf16, level)
         want = cpu._epilogue(y.clone(), sa, sb, b, out_dtype)
         assert got.dtype == want.dtype
         assert torch.equal(got.view(torch.int16 if out_bf16 else torch.int32),
                            want.view(torch.int16 if out_bf16 else torch.int32))
+    assert torch.equal(cpu._native_epilogue(y.clone(), sa, sb, bias, out_dtype).view(torch.uint8),
+                       cpu._epilogue(y.clone(), sa, sb, bias, out_dtype).view(torch.uint8))
 
 
 def test_scale_epilogue_rounds_nan_like_torch(mod):
     y = torch.tensor([[math.nan, 1.0]], dtype=torch.float32)
-    got = mod.scale_epilogue(y, torch.ones(1), torch.ones(2), torch.ones(1), False, True)
+    got = mod.scale_epilogue(y, torch.ones(1), torch.ones(2), torch.ones(1), False, True, -1)
     assert math.isnan(float(got[0, 0])) and float(got[0, 1]) == 1.0
 
 

@@ -1,6 +1,6 @@
 """fp8ref's C++ extension for the CPU backends: its sources, its build, and whether it is loaded.
 
-The extension holds cpu-fp8's E4M3FN GEMMs and the fused per-row quantizer and scale epilogue
+The extension holds cpu-fp8's and cpu-fp8-amx's E4M3FN GEMMs and the fused quantizer and scale epilogue
 that cpu-bf16 and cpu-fp32 use when it is there. Its sources are real files in
 ``fp8ref/kernels/csrc/`` (one per job, shipped as package data), compiled with
 ``torch.utils.cpp_extension.load`` (a C++ compiler, ninja, OpenMP): about a minute on two cores.
@@ -250,7 +250,7 @@ def get() -> ModuleType | None:
     ``FP8REF_NATIVE=0`` gives None.
 
     Never compiles (see ``prepare``). Besides the cpu-fp8 GEMMs, the module holds the fused
-    per-row quantizer (``quant_rows``) and the scale epilogue (``scale_epilogue``) that
+    quantizer (``quant_blocks``) and the scale epilogue (``scale_epilogue``) that
     ``fast_quantize``, ``cpu-bf16`` and ``cpu-fp32`` use when it is there: same expressions in the
     same order as the spec, bit-identical results (tests/test_native.py), one pass over the data
     instead of five or six.

@@ -50,9 +50,9 @@ int64_t cpu_isa();
 std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double qmax, double floor, int64_t mant,
                                      int64_t emin, int64_t bias, bool negzero, bool pow2, int64_t mode, int64_t isa);
 
-// epilogue.cpp: out = round((y * sa[m]) * sb[n] (+ bias[n])), the eager epilogue's order.
+// epilogue.cpp: out = round((y * sa[m]) * sb[n] (+ bias[n])), the eager epilogue's order; isa as quant_blocks.
 at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
-                          bool out_bf16);
+                          bool out_bf16, int64_t isa);
 
 // The GEMMs' epilogue operands: sa [M] and sb [N] fp32, bias [N] fp32 when has_bias, contiguous.
 static inline void check_epilogue_args(const at::Tensor& sa, const at::Tensor& sb, const at::Tensor& bias,
