@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8ref import W8A8_FP8, quantize
-from fp8ref.bench import LLAMA3_8B_SHAPES, M_VALUES, peer_api
+from fp8ref import W8A8_FP8, linear, quantize
+from fp8ref.bench import LLAMA3_8B_SHAPES, M_VALUES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -64,10 +64,6 @@ def test_linear(benchmark, ratios, variant, shape, M):
             _sync()
             return y
     else:
-        linear, reason = peer_api("fp8ref.linear", "linear")
-        if linear is None:
-            pytest.skip(reason)
-
         def run():
             y = linear(x, qw, recipe=W8A8_FP8, backend="auto")
             _sync()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8ref.bench import QUANT_SCHEMES, _available_backends, quant_bytes
+from fp8ref.bench import QUANT_SCHEMES, available_backends, quant_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {"activation": (1024, 4096), "weight": (4096, 4096)}
-BACKENDS, SKIPPED = _available_backends(DEVICE)
+BACKENDS, SKIPPED = available_backends(DEVICE)
 _inputs: dict = {}
 
 

@@ -1,7 +1,24 @@
 """fp8ref: a reference for FP8 W8A8 inference, and a referee for the kernels that compute it.
 
-The spec (formats, schemes, the reference quantizer and scaled GEMM, error bounds) lives in
-this package and imports no backend. See docs/spec.md for the contract.
+Where things live, from the bottom up. At import time a module imports only from the entries
+above its own (a function may read this face, ``fp8ref``, lazily), and the spec imports nothing
+else from fp8ref; tests/test_layout.py checks both.
+
+- ``fp8ref.spec``: the spec (formats, schemes, the reference quantizer, the exact scaled GEMM,
+  the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
+  helpers ``_machine`` (CPU detection) and ``_io`` (atomic writes).
+- ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
+- ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``).
+- ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).
+- ``fp8ref.api``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, ``Fp8Linear`` and
+  ``quantize_model``, FP8 checkpoints; then this face, which re-exports the public API.
+- ``fp8ref.conformance``: the referee (contracts, Hypothesis search, reports).
+- ``fp8ref.audit``: precision-drift audits of real models.
+- ``fp8ref.bench``: benchmarks as ratios.
+- ``fp8ref.cli``: the ``fp8ref`` command, one module per subcommand (``python -m fp8ref`` runs it
+  through ``__main__``).
+- ``fp8ref.gpu_check``: the prepared GPU evidence run; ``fp8ref.pytest_plugin``: the
+  ``fp8ref_certify`` fixture.
 """
 
 from .api import explain, linear, reference_linear

@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import fp8ref.conformance
 from fp8ref import W8A8_FP8, gpu_check, quantize, scaled_mm
+from fp8ref.conformance import ContractResult, Report
+from fp8ref.gpu_check import steps, summary
 from fp8ref.registry import Backend, Case
 from fp8ref.spec.bounds import Accumulation, PrecisionClass
 
@@ -148,7 +151,7 @@ class _Rep:
 def test_jsonable_handles_peer_objects():
     obj = {"t": torch.tensor([1.0, 2.0]), "big": torch.zeros(100), "nan": math.nan, "dc": _Rep("a", 1.0),
            "enum": PrecisionClass.FAST, "set": {3}, 4: "k"}
-    out = gpu_check._jsonable(obj)
+    out = summary.jsonable(obj)
     json.dumps(out)
     assert out["t"] == [1.0, 2.0] and out["big"].startswith("<tensor (100,)")
     assert out["nan"] == "nan" and out["dc"] == {"name": "a", "value": 1.0}
@@ -196,41 +199,40 @@ def test_cuda_backends_excludes_the_reference_and_names_every_gpu_backend():
 
 
 def test_child_process_time_limit():
-    r = gpu_check._run_task("conformance", "reference", "dev", "cpu", timeout_s=0.01, in_process=False)
+    r = steps.run_task("conformance", "reference", "dev", "cpu", timeout_s=0.01, in_process=False)
     assert r["status"] == "timeout" and "no answer within" in r["reason"]
 
 
-def test_worker_reports_a_missing_api(monkeypatch):
-    from fp8ref import bench
-
-    monkeypatch.setattr(bench, "peer_api", lambda m, a: (None, f"{m}.{a} is not available: test"))
-    r = gpu_check._worker("accumulator_bits", "reference", "dev", "cpu")
-    assert r == {"backend": "reference", "status": "not available",
-                 "reason": "fp8ref.conformance.accumulator_bits is not available: test"}
-
-
-class _FakeResult:
-    examples = 4
+def test_worker_without_the_conformance_extra_says_so(monkeypatch):
+    for name in [m for m in sys.modules if m == "fp8ref.conformance" or m.startswith("fp8ref.conformance.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr("fp8ref.conformance", raising=False)
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # import hypothesis -> ImportError
+    r = steps.worker("accumulator_bits", "reference", "dev", "cpu")
+    assert r["status"] == "not available" and "needs the conformance extra" in r["reason"]
 
 
-class _FakeReport:
-    def __init__(self, backend):
-        self.backend, self.passed, self.results = backend, backend != "cpu-fp32", [_FakeResult(), _FakeResult()]
+def test_worker_measures_accumulator_bits():
+    r = steps.worker("accumulator_bits", "reference", "dev", "cpu")
+    assert r["status"] == "ok" and r["bits"] == fp8ref.conformance.accumulator_bits(fp8ref.get_backend("reference"))
+
+
+def _report(backend, status="pass", examples=4, **kw):
+    """A real conformance report: a renamed field of Report or ContractResult breaks these tests."""
+    return Report(backend=backend, profile="dev", seed=0, **kw,
+                  results=[ContractResult("scaled_mm.bound", "bounded", status, examples=examples),
+                           ContractResult("quantize.exact", "exact", "pass", examples=examples)])
 
 
 def test_dry_run_on_cpu(tmp_path, monkeypatch, capsys):
     """The whole pipeline on the CPU, tiny: conformance (a fake, fast check), bench, targets, files."""
-    from fp8ref import bench
-
-    real = bench.peer_api
     seen = []
 
     def fake_check(backend, profile):
-        name = getattr(backend, "name", backend)
-        seen.append((name, profile))
-        return _FakeReport(name)
+        seen.append((backend.name, profile))
+        return _report(backend.name, "fail" if backend.name == "cpu-fp32" else "pass")
 
-    monkeypatch.setattr(bench, "peer_api", lambda m, a: (fake_check, None) if a == "check" else real(m, a))
+    monkeypatch.setattr(fp8ref.conformance, "check", fake_check)
     names, _ = gpu_check.cuda_backends("cpu")
     backends = ["reference"] + names[:2]
     monkeypatch.setenv("FP8REF_CACHE_DIR", str(tmp_path / "cache"))
@@ -296,43 +298,35 @@ def test_on_device_keeps_declarations_and_moves_the_case():
 
 
 def test_conformance_of_a_wrapped_backend_runs():
-    from fp8ref.bench import peer_api
-
-    check, reason = peer_api("fp8ref.conformance", "check")
-    if check is None:
-        pytest.skip(reason)
     from fp8ref import get_backend
 
-    report = check(gpu_check.OnDevice(get_backend("reference"), "cpu"), "dev", seed=0,
+    report = fp8ref.conformance.check(gpu_check.OnDevice(get_backend("reference"), "cpu"), "dev", seed=0,
                    contracts=["scaled_mm.bound"], max_examples=3)
     assert report.passed and report.backend == "reference"
 
 
-class _Failed:
-    contract, status, examples = "scaled_mm.bound", "fail", 3
-
-
-class _FailingReport:
-    passed, available, accumulator_bits = False, True, 14
-    results = failures = [_Failed()]
-
-
 def test_worker_reads_a_report(monkeypatch):
-    from fp8ref import bench
-
     got = []
 
     def fake_check(backend, profile):
         got.append((backend, profile))
-        return _FailingReport()
+        return _report("reference", "fail", examples=3, accumulator_bits=14)
 
-    monkeypatch.setattr(bench, "peer_api", lambda m, a: (fake_check, None))
-    r = gpu_check._worker("conformance", "reference", "dev", "cpu")
-    assert r["status"] == "ok" and r["passed"] is False and r["examples"] == 3
+    monkeypatch.setattr(fp8ref.conformance, "check", fake_check)
+    r = steps.worker("conformance", "reference", "dev", "cpu")
+    assert r["status"] == "ok" and r["passed"] is False and r["examples"] == 6
     assert r["failures"] == ["scaled_mm.bound (fail)"] and r["accumulator_bits"] == 14
+    assert r["report"]["passed"] is False and json.dumps(r)
     assert got[0][0].name == "reference" and not isinstance(got[0][0], gpu_check.OnDevice)
-    gpu_check._worker("conformance", "reference", "dev", "cuda")  # the suite's CPU inputs go to the device
+    steps.worker("conformance", "reference", "dev", "cuda")  # the suite's CPU inputs go to the device
     assert isinstance(got[1][0], gpu_check.OnDevice) and got[1][0].device.type == "cuda"
+
+
+def test_worker_reports_an_unavailable_backend(monkeypatch):
+    monkeypatch.setattr(fp8ref.conformance, "check",
+                        lambda backend, profile: Report(backend.name, profile, 0, available=False, reason="no GPU"))
+    r = steps.worker("conformance", "reference", "dev", "cpu")
+    assert (r["status"], r["reason"], r["examples"], r["passed"]) == ("unavailable", "no GPU", 0, True)
 
 
 def test_conformance_timeout_is_retried_with_the_smallest_profile(tmp_path, monkeypatch):
@@ -344,7 +338,7 @@ def test_conformance_timeout_is_retried_with_the_smallest_profile(tmp_path, monk
             return {"backend": backend, "status": "timeout", "reason": "no answer within 1 s", "seconds": 1.0}
         return {"backend": backend, "status": "ok", "passed": True, "examples": 7, "seconds": 0.5}
 
-    monkeypatch.setattr(gpu_check, "_run_task", fake_run_task)
+    monkeypatch.setattr(steps, "run_task", fake_run_task)
     names, _ = gpu_check.cuda_backends("cpu")
     if not names:
         pytest.skip("no non-reference backend registered on this machine")

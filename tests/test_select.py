@@ -25,9 +25,10 @@ CASE = Case(M=8, N=48, K=64, recipe=fp8ref.W8A8_FP8)
 class _Clock:
     """The selector's clock in these tests: real time plus the fake backends' simulated delays.
 
-    A fake backend's delay is added to the clock instead of slept, so "t-slow is 2 ms slower"
-    holds exactly however loaded the machine is (``time.sleep`` overshoots by milliseconds under
-    load, which once turned a 1 ms vs 3 ms race around); real work still counts as real time.
+    A fake backend's delay is added to the clock instead of slept, so "t-slower takes 0.4 s more"
+    holds exactly however loaded the machine is, at no cost in wall time; the delays are chosen
+    far above the fakes' real work, which still counts and which a loaded 2-core machine
+    stretches to tens of milliseconds (1 ms vs 3 ms delays once lost to that noise).
     """
 
     def __init__(self) -> None:
@@ -110,7 +111,7 @@ def fakes(tmp_path, monkeypatch):
     sel.clear_cache()
     made = {
         "good": Good("t-good"),
-        "slow": Good("t-slow", delay=0.002),
+        "slow": Good("t-slow", delay=0.2),
         "twice": ScaleTwice("t-twice"),
         "nan": NanOnZeroRow("t-nan"),
         "std": Good("t-std", output_roundings=2),
@@ -361,9 +362,13 @@ def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
     """A burst of load during the fast backend's sequential timing window (simulated: its
     sequential median reads 2x too slow) must not hand the decision to the slower one: the
     interleaved run-off re-times both under the same conditions."""
-    fast, slow = Good("t-fast", delay=0.001), Good("t-slower", delay=0.003)
+    fast, slow = Good("t-fast", delay=0.2), Good("t-slower", delay=0.6)
     for b in (fast, slow):
         fp8ref.register_backend(b, replace=True)
+    # budgets in simulated seconds, so that both fakes get several timed runs (a single-run median
+    # is not a contender) and a run-off of several rounds
+    monkeypatch.setattr(timing, "TIME_BUDGET_S", 5.0)
+    monkeypatch.setattr(timing, "RUNOFF_BUDGET_S", 10.0)
     real_time = timing.time_backend
 
     def bursty(b, case, best, timers=None):
@@ -381,14 +386,15 @@ def test_runoff_reranks_contenders_timed_during_a_burst(fakes, monkeypatch):
     assert _row(d, "t-fast").median_s < _row(d, "t-slower").median_s
 
 
-def test_runoff_skips_backends_far_behind(fakes):
-    fast, slow = Good("t-fast", delay=0.0), Good("t-slower", delay=0.02)
+def test_runoff_skips_backends_far_behind(fakes, monkeypatch):
+    fast, slow = Good("t-fast", delay=0.4), Good("t-slower", delay=1.1)  # 2.75x: fully timed, > RUNOFF_FACTOR
     for b in (fast, slow):
         fp8ref.register_backend(b, replace=True)
+    monkeypatch.setattr(timing, "TIME_BUDGET_S", 10.0)  # several runs each: left out for the factor, not for one run
     try:
         d = sel.select(CASE, candidates=["t-fast", "t-slower"], refresh=True)
     finally:
         for b in (fast, slow):
             fp8ref.unregister_backend(b.name)
     assert d.chosen == "t-fast"
-    assert "run-off" not in _row(d, "t-slower").note
+    assert _row(d, "t-slower").runs > 1 and "run-off" not in _row(d, "t-slower").note

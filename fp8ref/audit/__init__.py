@@ -1,7 +1,12 @@
 """Precision-drift audits: FP8 against float, per layer and per model, and drift between audits.
 
-See docs/audit.md. The real models and texts (``material``) need the ``audit`` extra; the rest
-needs only torch.
+``core`` runs a model in float and in FP8 side by side (``audit_model``), with ``runner`` (one
+linear the FP8 way), ``stats`` (per-layer error sums and bound ratios), ``outputs`` (batches in,
+logits or embeddings and model metrics out) and ``flags``; ``report`` holds the result types,
+``drift`` compares two audits, ``weights`` audits a safetensors checkpoint, ``material`` loads the
+real models and texts (the ``audit`` extra), ``plots`` and ``results`` make docs/results.md.
+Imports flow from the spec, the registry, the selector and ``fp8ref.api`` into this package;
+nothing but the CLI imports it. See docs/audit.md.
 """
 
 from .core import RATIO_BIN_EDGES, audit_model, linear_layers

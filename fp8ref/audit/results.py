@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .core import _embedding, _LmAcc
 from .material import encoder_batches, encoder_sentences, lm_batches, load_model, load_text
+from .outputs import LmAccumulator, embedding
 
 __all__ = ["lm_rows", "encoder_rows", "main"]
 
@@ -51,7 +51,7 @@ def _dynamic_roundtrip(model, backend: str):
 
 
 def _lm_metrics(model, q, batches, logits_fp) -> dict:
-    acc, acc256 = _LmAcc(), _LmAcc()
+    acc, acc256 = LmAccumulator(), LmAccumulator()
     seen = 0
     with torch.no_grad():
         for b, lf in zip(batches, logits_fp, strict=True):
@@ -75,7 +75,7 @@ def lm_rows(backends: list[str], tokens: int, seq_len: int, texts=("gsm8k", "ham
         ref = {t: [model(b).logits for b in bs] for t, bs in data.items()}
     rows: dict = {"float (fp32)": {}}
     for t, bs in data.items():
-        acc = _LmAcc()
+        acc = LmAccumulator()
         for b, lf in zip(bs, ref[t], strict=True):
             acc.add(lf, lf, b)
         m = acc.metrics()
@@ -107,7 +107,7 @@ def encoder_rows(backends: list[str], sentences: int, log=print) -> dict:
     model, tok, _, name = load_model("minilm")
     batches = encoder_batches(tok, encoder_sentences("gsm8k", sentences))
     with torch.no_grad():
-        ef = torch.cat([_embedding(model(**b), b) for b in batches])
+        ef = torch.cat([embedding(model(**b), b) for b in batches])
     rows = {}
     for backend in backends:
         for recipe, label in RECIPES:
@@ -115,7 +115,7 @@ def encoder_rows(backends: list[str], sentences: int, log=print) -> dict:
             try:
                 q = _quantized(model, recipe, backend)
                 with torch.no_grad():
-                    eq = torch.cat([_embedding(q(**b), b) for b in batches])
+                    eq = torch.cat([embedding(q(**b), b) for b in batches])
                 m = _encoder_metrics(ef, eq, 0)
                 rows[key] = {"cosine_mean": m.embedding_cosine_mean, "cosine_min": m.embedding_cosine_min,
                              "nn_agreement": m.nn_agreement}

@@ -1,7 +1,8 @@
-"""The ``fp8ref`` command line.
+"""The ``fp8ref`` command line: one module per subcommand, each providing ``add_parser(subparsers)``.
 
-Each subcommand lives in its own module, which provides ``add_parser(subparsers)``; this file
-only lists them, so features stay independent.
+This file only lists them, so features stay independent. The CLI is the top of the import
+graph: its modules import the rest of fp8ref (most of it lazily, when a subcommand runs), and
+nothing in fp8ref imports them except ``fp8ref.gpu_check``, which shares the bench's option parsers.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..bench import SECTIONS
+
 
 def _shape(text: str) -> tuple[int, int]:
     try:
@@ -39,9 +41,6 @@ def _positive_int(text: str) -> int:
     return v
 
 
-SECTIONS = ("ceilings", "quant", "linear", "reference", "selector", "conformance")
-
-
 def _sections(text: str) -> list[str]:
     vals = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in vals if v not in SECTIONS]
@@ -70,6 +69,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_bench)
 
 
+def _workload_args(args: argparse.Namespace) -> list[str]:
+    """``--backend``, ``--shape`` and ``--m`` as given (shared with ``python -m fp8ref.gpu_check``)."""
+    parts = []
+    for b in args.backend or ():
+        parts += ["--backend", b]
+    for k, n in args.shape or ():
+        parts += ["--shape", f"{k}x{n}"]
+    if args.m:
+        parts += ["--m", ",".join(map(str, args.m))]
+    return parts
+
+
 def _command_line(args: argparse.Namespace) -> str:
     """The options that shaped this run, as a command to repeat it (recorded in the JSON)."""
     parts = ["fp8ref", "bench", "--device", args.device]
@@ -77,12 +88,7 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append("--quick")
     if args.threads:
         parts += ["--threads", str(args.threads)]
-    for b in args.backend or ():
-        parts += ["--backend", b]
-    for k, n in args.shape or ():
-        parts += ["--shape", f"{k}x{n}"]
-    if args.m:
-        parts += ["--m", ",".join(map(str, args.m))]
+    parts += _workload_args(args)
     if list(args.sections) != list(SECTIONS):
         parts += ["--sections", ",".join(args.sections)]
     if args.json:

@@ -27,7 +27,7 @@ same extension holds the fused quantizer and scale epilogue used by ``fast_quant
 ``cpu-bf16`` and ``cpu-fp32``. ``fp8ref.kernels.native`` builds and loads it: the backend is
 available once this environment's build exists, which ``python -m fp8ref.kernels.cpu_fp8`` makes
 (one to four minutes on two cores), or ``FP8REF_CPU_FP8=1`` at the first availability check; never a
-listing, a selection's probe or a timed call.
+selection's probe or a timed call.
 
 Declines: other formats than E4M3FN, block/group scales (tensor and row only), non-CPU tensors, and
 more rows than its path's limit (``MAX_M`` packed, ``MAX_M_AVX2``, ``MAX_M_FALLBACK``), beyond
@@ -75,6 +75,7 @@ PATH_FLAGS = {"packed": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx5
 _PATH_MAX_M = {"packed": MAX_M, "avx512": MAX_M_FALLBACK, "avx2": MAX_M_AVX2, "scalar": MAX_M_FALLBACK}
 #: The extension's ``fp8_e4m3_gemm`` code path numbers.
 _GEMM_ISA = {"avx512": 2, "avx2": 1, "scalar": 0}
+
 
 
 def _cpu_has_bf16_dot() -> bool:

@@ -1,0 +1,151 @@
+"""Timing for the benchmarks: ``timeit`` (median of samples after a warm-up, CUDA-synchronized),
+plus what every section shares: input rotation past the GPU's L2, a run's deadline."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Timing", "timeit", "is_cuda", "synchronizer", "rotation", "cycler", "past", "PAST_DEADLINE"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call of a timed function.
+
+    Attributes
+    ----------
+    median_s, min_s : float
+        Median and minimum over the samples, per call.
+    samples : int
+        Number of timed samples (each of ``inner`` back-to-back calls).
+    inner : int
+        Calls per sample, chosen so that one sample lasts at least ``min_sample_s`` (short calls
+        are otherwise dominated by the timer and, on a GPU, by launch gaps).
+    first_s : float
+        Seconds of the first (warm-up) call: compilation, allocation and cache effects.
+    """
+
+    median_s: float
+    min_s: float
+    samples: int
+    inner: int
+    first_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_cuda(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def synchronizer(device: str | torch.device) -> Callable[[], None]:
+    if is_cuda(device):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def timeit(fn: Callable[[], Any], *, device: str | torch.device = "cpu", warmup: int = 1, repeat: int = 5,
+           budget_s: float = 2.0, min_sample_s: float | None = None) -> Timing:
+    """Median seconds per call of ``fn()`` after warm-up, synchronizing CUDA around each sample.
+
+    Parameters
+    ----------
+    fn : callable
+        Called with no arguments.
+    device : str or torch.device
+        Where ``fn`` runs; on CUDA every sample ends with ``torch.cuda.synchronize()``.
+    warmup : int
+        Untimed calls first (at least 1; the first call's time is reported as ``first_s``).
+    repeat : int
+        Samples to take (at least 1).
+    budget_s : float
+        Stop taking samples once this many seconds have passed (at least one is always taken),
+        so that a slow backend costs a bounded time.
+    min_sample_s : float, optional
+        Smallest duration of one sample; shorter calls are repeated ``inner`` times per sample.
+        Default 1 ms on CUDA, 5 ms on CPU.
+
+    Returns
+    -------
+    Timing
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fp8ref.bench import timeit
+    >>> t = timeit(lambda: torch.ones(64).sum(), repeat=3)
+    >>> t.samples, t.median_s > 0
+    (3, True)
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if warmup < 1 or repeat < 1:
+        raise ValueError(f"warmup and repeat must be >= 1, got warmup={warmup}, repeat={repeat}")
+    if not budget_s > 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    sync = synchronizer(device)
+    if min_sample_s is None:
+        min_sample_s = 1e-3 if is_cuda(device) else 5e-3
+    clock = time.perf_counter
+    sync()
+    t0 = clock()
+    fn()
+    sync()
+    first = clock() - t0
+    for _ in range(warmup - 1):
+        fn()
+    sync()
+    start = clock()
+    if first > budget_s or first >= min_sample_s:
+        # A call long enough to time on its own needs no calibration call (for a slow backend
+        # that call would cost as much as a sample); past the budget one sample is all we take.
+        inner = 1
+    else:
+        t0 = clock()
+        fn()
+        sync()
+        once = max(clock() - t0, 1e-9)
+        inner = max(1, min(1000, math.ceil(min_sample_s / once)))
+    samples: list[float] = []
+    while len(samples) < repeat:
+        t0 = clock()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((clock() - t0) / inner)
+        if clock() - start > budget_s:
+            break
+    return Timing(statistics.median(samples), min(samples), len(samples), inner, first)
+
+
+def rotation(set_bytes: int, device: str) -> int:
+    """How many input sets to rotate through so repeated calls do not just measure the GPU's L2."""
+    if not is_cuda(device):
+        return 1
+    return max(1, min(8, math.ceil((256 << 20) / max(set_bytes, 1))))
+
+
+PAST_DEADLINE = "skipped: the run's time budget was spent"
+
+
+def past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
+
+
+def cycler(items: Sequence[Any]) -> Callable[[], Any]:
+    state = {"i": 0}
+
+    def nxt():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        return item
+
+    return nxt
