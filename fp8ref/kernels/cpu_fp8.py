@@ -80,17 +80,18 @@ _GEMM_ISA = {"avx512": 2, "avx2": 1, "scalar": 0}
 
 def _cpu_has_bf16_dot() -> bool:
     """avx512_bf16 (with avx512f/bw) on this CPU: asked of the loaded extension (what its packed
-    path checks), else of /proc/cpuinfo (so that ``supports`` never loads or builds anything)."""
+    path checks; remembered per loaded module), else of /proc/cpuinfo (so that ``supports`` never
+    loads or builds anything)."""
     global _has_bf16
-    if _has_bf16 is None:
-        mod = native.loaded()
-        if mod is None:
-            return set(PATH_FLAGS["packed"]) <= cpu_flags()  # not cached: the module may load
-        _has_bf16 = bool(mod.has_bf16_dot())
-    return _has_bf16
+    mod = native.loaded()
+    if mod is None:
+        return set(PATH_FLAGS["packed"]) <= cpu_flags()
+    if _has_bf16 is None or _has_bf16[0] is not mod:
+        _has_bf16 = (mod, bool(mod.has_bf16_dot()))
+    return _has_bf16[1]
 
 
-_has_bf16: bool | None = None
+_has_bf16: tuple[object, bool] | None = None
 
 
 def gemm_path(bf16_dot: bool = True) -> str:
