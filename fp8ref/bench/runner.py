@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._machine import cpu_flags, cpu_kind, cpu_model
 from .backends import available_backends
 from .ceilings import bf16_gemm_peak, copy_bandwidth
 from .conformance import bench_conformance
@@ -20,18 +21,28 @@ from .reference import bench_reference
 from .selector import bench_selector
 from .timing import is_cuda
 
-__all__ = ["SECTIONS", "run", "machine_meta"]
+__all__ = ["SECTIONS", "KERNEL_FLAGS", "run", "machine_meta"]
 
 #: The sections of a run, in the order they run.
 SECTIONS = ("ceilings", "quant", "linear", "reference", "selector", "conformance")
 
 
+#: The CPU flags that decide kernel paths (``/proc/cpuinfo`` names), recorded with every run.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
 def machine_meta(device: str, quick: bool) -> dict:
-    """What a run was measured on and when: date, device, torch, Python, CPUs, threads, load."""
+    """What a run was measured on and when: date, device, CPU model, kind and kernel flags, torch,
+    Python, CPUs, threads, load."""
+    flags = cpu_flags()
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "quick": quick,
+        "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(),
+        "cpu_flags": [f for f in KERNEL_FLAGS if f in flags],
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
