@@ -353,3 +353,52 @@ def test_probe_and_contract_reject_a_linear_that_differs():
     with pytest.raises(contracts.ContractViolation, match="linear differs"):
         contracts.check_linear_matches_two_calls(_BadLinear(), p)
     assert isinstance(p, strategies.LinearProblem)
+
+
+def _raises_runtime(fn, *args):
+    with pytest.raises(RuntimeError):
+        fn(*args)
+
+
+def test_entry_points_guard_their_operands(mod):
+    """Every entry point checks what it reads through raw pointers: shapes, sizes, dtypes, the
+    device (a tensor off the CPU would be dereferenced as host memory) and the parameters it
+    divides by, and raises RuntimeError instead of crashing the interpreter."""
+    u8, f32 = torch.uint8, torch.float32
+    a, b = torch.zeros(3, 40, dtype=u8), torch.zeros(5, 40, dtype=u8)
+    sa, sb, bias = torch.ones(3), torch.ones(5), torch.zeros(5)
+    meta = torch.empty(3, 40, dtype=u8, device="meta")
+    gemm_ = mod.fp8_e4m3_gemm
+    _raises_runtime(gemm_, a, torch.zeros(5, 41, dtype=u8), sa, sb, bias, False, -1)  # K mismatch
+    _raises_runtime(gemm_, a.view(-1), b, sa, sb, bias, False, -1)  # 1-D a
+    _raises_runtime(gemm_, a, b, torch.ones(2), sb, bias, False, -1)  # sa of the wrong size
+    _raises_runtime(gemm_, a, b, sa, sb, torch.zeros(4), True, -1)  # bias of the wrong size
+    _raises_runtime(gemm_, meta, b, sa, sb, bias, False, -1)  # not on the CPU
+    _raises_runtime(gemm_, a, b, sa.to(device="meta"), sb, bias, False, -1)
+    _raises_runtime(gemm_, a, b, sa, sb, bias, False, 3)  # a code path no CPU has
+    packed, special = cpu_fp8.pack_weight(b)
+    amx = mod.fp8_e4m3_gemm_amx
+    _raises_runtime(amx, a, packed, special, 6, sa, sb, bias, False, True)  # N does not fit the packing
+    _raises_runtime(amx, a, packed, special, -1, sa, sb, bias, False, True)
+    _raises_runtime(amx, a[:, :38], packed, special, 5, sa, sb, bias, False, True)  # K does not fit
+    _raises_runtime(amx, a, packed, special[:, :-1], 5, sa, sb, bias, False, True)
+    _raises_runtime(amx, meta, packed, special, 5, sa, sb, bias, False, True)
+    assert amx(a, packed, special, 5, sa, sb, bias, False, True).shape == (3, 5)
+    x = torch.randn(4, 64)
+    args = (448.0, 0.0, *_common.native_format_args(QuantScheme()), False, 0, -1)
+    _raises_runtime(mod.quant_blocks, x.to(device="meta"), 1, 64, *args)
+    _raises_runtime(mod.quant_blocks, x, 0, 64, *args)
+    _raises_runtime(mod.quant_blocks, x, 1, 64, 0.0, *args[1:])  # qmax 0 would divide by zero
+    _raises_runtime(mod.quant_blocks, x, 1, 64, math.nan, *args[1:])
+    big = 2**62  # blocks larger than the tensor are the tensor: no overflow in r * c
+    assert mod.quant_blocks(x, big, big, *args)[1].shape == (1, 1)
+    _raises_runtime(mod.scale_epilogue, torch.zeros(3, 5, device="meta"), sa, sb, bias, False, True, -1)
+    _raises_runtime(mod.scale_epilogue, torch.zeros(3, 5), sa, torch.ones(4), bias, False, True, -1)
+    for M, N in ((0, 5), (3, 0), (0, 0)):  # empty outputs, no division by zero
+        out = mod.scale_epilogue(torch.zeros(M, N, dtype=f32), torch.ones(M), torch.ones(N), bias[:N], False, True,
+                                 -1)
+        assert out.shape == (M, N)
+    _raises_runtime(mod.amx_emu_tdpbf16ps, torch.zeros(17, 16), torch.zeros(17, 32, dtype=torch.bfloat16),
+                    torch.zeros(16, 32, dtype=torch.bfloat16))  # 17 rows: the tile would fault
+    _raises_runtime(mod.amx_emu_tdpbf16ps, torch.zeros(2, 2), torch.zeros(2, 4, dtype=torch.bfloat16).view(-1),
+                    torch.zeros(2, 4, dtype=torch.bfloat16))

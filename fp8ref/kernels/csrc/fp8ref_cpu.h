@@ -57,10 +57,17 @@ at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor
 // The GEMMs' epilogue operands: sa [M] and sb [N] fp32, bias [N] fp32 when has_bias, contiguous.
 static inline void check_epilogue_args(const at::Tensor& sa, const at::Tensor& sb, const at::Tensor& bias,
                                        bool has_bias, int64_t M, int64_t N) {
+  TORCH_CHECK(sa.device().is_cpu() && sb.device().is_cpu() && (!has_bias || bias.device().is_cpu()),
+              "sa, sb and bias must be CPU tensors");
   TORCH_CHECK(sa.scalar_type() == at::kFloat && sa.is_contiguous() && sa.numel() == M, "sa must be fp32 [M]");
   TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == N, "sb must be fp32 [N]");
   TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
               "bias must be fp32 [N]");
+}
+
+// The entry points' operands are read through raw pointers: each must be a CPU tensor.
+static inline void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor, got one on ", t.device());
 }
 
 // Element i of a row of fp32 (t = 0), bf16 (t = 1) or fp16 (t = 2), widened exactly to fp32.

@@ -221,6 +221,9 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
     const std::string why = amx_status();
     TORCH_CHECK(why.empty(), "the cpu-fp8-amx kernel cannot run here: ", why);
   }
+  check_cpu(a, "a");
+  check_cpu(pb, "pb");
+  check_cpu(special, "special");
   TORCH_CHECK(a.dtype() == at::kByte && pb.dtype() == at::kByte, "codes must be uint8 views");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4,
               "contiguous a, packed [N16, K2, 16, 2] b");
@@ -265,6 +268,9 @@ at::Tensor amx_emu_tdpbf16ps(at::Tensor c, at::Tensor a, at::Tensor b) {
   TORCH_CHECK(c.scalar_type() == at::kFloat && a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16,
               "c fp32, a and b bf16");
   TORCH_CHECK(c.dim() == 2 && a.dim() == 2 && b.dim() == 2, "2-D tiles");
+  check_cpu(c, "c");
+  check_cpu(a, "a");
+  check_cpu(b, "b");
   auto cc = c.contiguous().clone();
   auto ac = a.contiguous();
   auto bc = b.contiguous();

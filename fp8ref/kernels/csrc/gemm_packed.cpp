@@ -72,6 +72,10 @@ bool has_bf16_dot() {
 at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                                 at::Tensor sb, at::Tensor bias, bool has_bias) {
   TORCH_CHECK(has_bf16_dot(), "the packed cpu-fp8 path needs avx512_bf16");
+  check_cpu(a, "a");
+  check_cpu(pb, "pb");
+  check_cpu(special, "special");
+  TORCH_CHECK(N >= 0, "fp8_e4m3_gemm_packed: N must be >= 0, got ", N);
   TORCH_CHECK(a.dtype() == at::kByte && pb.dtype() == at::kByte, "codes must be uint8 views");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4,
               "contiguous a, packed [N16, K2, 16, 2] b");

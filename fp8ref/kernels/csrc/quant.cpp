@@ -318,16 +318,22 @@ int64_t cpu_isa() {
 std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double qmax, double floor, int64_t mant,
                                      int64_t emin, int64_t bias, bool negzero, bool pow2, int64_t mode, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D tensor");
+  check_cpu(x, "x");
   const auto st = x.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "x must be fp32/bf16/fp16");
   TORCH_CHECK(mode >= 0 && mode <= 2, "mode must be 0, 1 or 2");
   TORCH_CHECK(r >= 1 && c >= 1, "block sizes must be >= 1");
   TORCH_CHECK(mant >= 1 && mant <= 3 && bias >= 1 && bias <= 31, "not an FP8 format");
+  TORCH_CHECK(std::isfinite(qmax) && qmax > 0 && std::isfinite(floor) && floor >= 0,
+              "quant_blocks: qmax must be finite and > 0 and floor finite and >= 0, got ", qmax, " and ", floor);
   const int64_t best = cpu_isa();
   if (isa < 0) isa = best;
   TORCH_CHECK(isa <= best, "this CPU lacks the instructions of code path ", isa);
   const int t = st == at::kFloat ? 0 : (st == at::kBFloat16 ? 1 : 2);
   const int64_t M = x.size(0), K = x.size(1);
+  // A block larger than the tensor is the tensor: clipping keeps r * c and the counts below from overflowing.
+  r = std::min(r, std::max<int64_t>(M, 1));
+  c = std::min(c, std::max<int64_t>(K, 1));
   const int64_t R = (M + r - 1) / r, C = (K + c - 1) / c;
   const auto odt = mode == 0 ? at::kByte : (mode == 1 ? at::kBFloat16 : at::kFloat);
   auto out = at::empty({M, K}, at::dtype(odt));
@@ -374,24 +380,60 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
     return {out, scale, amax};
   }
 
-  // Work items are (block row, block column) tiles: each is read for its amax, then quantized
-  // while it is still in cache. Blocks one row high go a whole row per item.
-  const int64_t per_item = r == 1 ? C : 1;
-  const int64_t items = r == 1 ? M : R * C;
-  const int64_t item_elems = r == 1 ? K : r * c;
-  at::parallel_for(0, items, std::max<int64_t>(1, 65536 / item_elems), [&](int64_t i0, int64_t i1) {
+  if (r == 1) {
+    // Blocks one row high: a whole row per work item, each block read for its amax and quantized
+    // while it is still in L1.
+    at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t bj = 0; bj < C; ++bj) {
+          const int64_t k0 = bj * c, n = std::min(K, k0 + c) - k0;
+          float a = 0.0f;
+          bool bad = false;
+          amax_fn(xp + (m * K + k0) * isz, n, a, bad);
+          const float s = bad ? 0.0f : block_scale(a, fq, ff, pow2);
+          sp[m * C + bj] = s == 0.0f ? 1.0f : s;
+          ap[m * C + bj] = s == 0.0f ? INFINITY : a;
+          if (s != 0.0f) quant_fn(xp + (m * K + k0) * isz, n, s, job, op + (m * K + k0) * osz);
+        }
+      }
+    });
+    return {out, scale, amax};
+  }
+
+  // Taller blocks: work items are strips of r rows by a run of `cb` whole blocks (about 1024
+  // columns: 256 KiB of bf16 for 128 rows, so the second pass reads it from L2). Both passes (the
+  // blocks' amaxes, then the quantization) walk the strip row by row, so each row segment is one
+  // sequential stream. Walking one r x c block at a time instead read
+  // r short segments a row pitch apart, which alias in the caches and defeat the prefetchers:
+  // 20 % of the copy bandwidth for 128 x 128 blocks of a [4096, 4096] bf16 weight on the AVX2 EPYC.
+  const int64_t cb = std::max<int64_t>(1, 1024 / c), runs = (C + cb - 1) / cb;
+  at::parallel_for(0, R * runs, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> ba(cb), bs(cb);
+    std::vector<char> bb(cb);
     for (int64_t item = i0; item < i1; ++item) {
-      for (int64_t q = 0; q < per_item; ++q) {
-        const int64_t bi = r == 1 ? item : item / C, bj = r == 1 ? q : item % C;
-        const int64_t m0 = bi * r, m1 = std::min(M, m0 + r), k0 = bj * c, n = std::min(K, k0 + c) - k0;
-        float a = 0.0f;
-        bool bad = false;
-        for (int64_t m = m0; m < m1; ++m) amax_fn(xp + (m * K + k0) * isz, n, a, bad);
-        const float s = bad ? 0.0f : block_scale(a, fq, ff, pow2);
+      const int64_t bi = item / runs, j0 = (item % runs) * cb, j1 = std::min(C, j0 + cb);
+      const int64_t m0 = bi * r, m1 = std::min(M, m0 + r);
+      std::fill(ba.begin(), ba.end(), 0.0f);
+      std::fill(bb.begin(), bb.end(), 0);
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t bj = j0; bj < j1; ++bj) {
+          const int64_t k0 = bj * c, n = std::min(K, k0 + c) - k0;
+          bool bad = false;
+          amax_fn(xp + (m * K + k0) * isz, n, ba[bj - j0], bad);
+          if (bad) bb[bj - j0] = 1;
+        }
+      }
+      for (int64_t bj = j0; bj < j1; ++bj) {
+        const float s = bb[bj - j0] ? 0.0f : block_scale(ba[bj - j0], fq, ff, pow2);
+        bs[bj - j0] = s;
         sp[bi * C + bj] = s == 0.0f ? 1.0f : s;
-        ap[bi * C + bj] = s == 0.0f ? INFINITY : a;
-        if (s == 0.0f) continue;
-        for (int64_t m = m0; m < m1; ++m) quant_fn(xp + (m * K + k0) * isz, n, s, job, op + (m * K + k0) * osz);
+        ap[bi * C + bj] = s == 0.0f ? INFINITY : ba[bj - j0];
+      }
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t bj = j0; bj < j1; ++bj) {
+          const int64_t k0 = bj * c, n = std::min(K, k0 + c) - k0;
+          if (bs[bj - j0] != 0.0f) quant_fn(xp + (m * K + k0) * isz, n, bs[bj - j0], job, op + (m * K + k0) * osz);
+        }
       }
     }
   });
