@@ -54,6 +54,8 @@ def format_report(res: dict) -> str:
     if "cpu_model" in meta:
         out.append(f"CPU: {meta['cpu_model']} (kind {meta.get('cpu_kind')}; kernel flags: "
                    f"{' '.join(meta.get('cpu_flags', [])) or 'none'})")
+    if meta.get("kernel_paths"):
+        out.append("kernel paths: " + "; ".join(f"{k}: {v}" for k, v in meta["kernel_paths"].items()))
     if "loadavg_start" in meta:
         out.append(f"load average at start {meta['loadavg_start'][0]:.2f}"
                    + (f", at end {meta['loadavg_end'][0]:.2f}" if "loadavg_end" in meta else ""))
