@@ -13,6 +13,9 @@ else from fp8ref; tests/test_layout.py checks both.
 - ``fp8ref.api``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, ``Fp8Linear`` and
   ``quantize_model``, FP8 checkpoints; then this face, which re-exports the public API.
 - ``fp8ref.conformance``: the referee (contracts, Hypothesis search, reports).
+- ``fp8ref.peers``: adapters that put real third-party FP8 code (SGLang, vLLM, onnxruntime,
+  torchao, compressed-tensors, jax, quanto, Model Optimizer) behind the backend API, and the
+  certification run (``fp8ref certify``) that judges them.
 - ``fp8ref.audit``: precision-drift audits of real models.
 - ``fp8ref.bench``: benchmarks as ratios.
 - ``fp8ref.cli``: the ``fp8ref`` command, one module per subcommand (``python -m fp8ref`` runs it

@@ -5,9 +5,12 @@ affected. Tests that reproduce an entry are marked ``xfail(strict=True)`` throug
 so an upstream fix makes them XPASS -> fail, which forces the entry's removal. The conformance
 suite reads ``KNOWN_FAILURES`` to report these next to its own results.
 
-Fields: ``id`` (stable key), ``backend`` (registry name), ``applies`` (when it bites),
-``what`` (the failing property), ``link`` (upstream issue/PR, or None if none was found),
-``reason`` (the cause, and the workaround fp8ref uses), ``test`` (the test that reproduces it).
+Fields: ``id`` (stable key), ``backend`` (registry name, or a peer of ``fp8ref.peers``), ``applies``
+(when it bites), ``what`` (the failing property), ``link`` (upstream issue/PR, or None if none was
+found), ``reason`` (the cause, and the workaround fp8ref uses), ``test`` (the test that reproduces it).
+Entries for peers also name the conformance ``property`` (contract) they turn into a strict xfail in
+``fp8ref certify`` and its ``upstream`` link; their ``test`` is a standalone reproduction in
+``tests/findings/`` (docs/findings.md).
 """
 
 from __future__ import annotations
@@ -51,6 +54,30 @@ KNOWN_FAILURES: list[dict] = [
         "test": "tests/test_torch_trial.py::test_upstream_fnuz_behaviour_on_this_cpu",
     },
     {
+        "id": "triton-interp-bf16-arith",
+        "backend": "triton",
+        "applies": "TRITON_INTERPRET=1 (triton 3.9)",
+        "what": "+ - * / on two bf16 tensors operate on their uint16 bit patterns (c = acc.to(bf16); c += bias "
+                "gives ~1e38)",
+        "link": "https://github.com/triton-lang/triton/issues/10919",
+        "reason": "the interpreter stores bf16 as uint16 and binary_op runs numpy on the storage (fix PR #10945 closed "
+                  "unmerged); fp8ref's triton backend does no bf16 arithmetic, and third-party kernels are certified "
+                  "under fp8ref.peers.triton_interpreter.correct_downcasts()",
+        "test": "tests/test_peers_triton_interpreter.py::test_unpatched_bf16_arithmetic_still_wrong",
+    },
+    {
+        "id": "triton-interp-fp8-upcast",
+        "backend": "triton",
+        "applies": "TRITON_INTERPRET=1 (triton 3.9)",
+        "what": "fp8 -> fp16/fp32 decodes NaN and Inf codes as finite numbers (E4M3FN 0x7F -> 480, E5M2 0x7C -> 65536, "
+                "E4M3FNUZ 0x80 -> -0), so a NaN code vanishes inside tl.dot",
+        "link": None,
+        "reason": "no upstream report found for the interpreter (the same class on GPUs: triton PR #11784, "
+                  "intel-xpu-backend-for-triton#7771); _convert_float maps the all-ones exponent like any other; "
+                  "fp8ref.peers.triton_interpreter.correct_downcasts() decodes through ml_dtypes",
+        "test": "tests/test_peers_triton_interpreter.py::test_unpatched_fp8_upcast_still_loses_nan",
+    },
+    {
         "id": "triton-interp-bf16-dot",
         "backend": "triton",
         "applies": "TRITON_INTERPRET=1 (triton 3.9)",
@@ -62,6 +89,81 @@ KNOWN_FAILURES: list[dict] = [
     },
 ]
 
+
+
+def _peer_entries(id: str, peer: str, contracts: tuple[str, ...], *, applies: str, what: str, link: str | None,
+                  reason: str, test: str) -> list[dict]:
+    """One entry per contract a peer's defect fails in ``fp8ref certify`` (ids ``id:contract``), or one
+    entry without a contract for a defect the certificate does not turn into a failure."""
+    base = {"backend": peer, "applies": applies, "what": what, "link": link, "upstream": link or "",
+            "reason": reason, "test": test}
+    if not contracts:
+        return [dict(base, id=id)]
+    return [dict(base, id=f"{id}:{c}", property=c) for c in contracts]
+
+
+_F = "tests/findings/"
+KNOWN_FAILURES += [
+    *_peer_entries(
+        "torchao-zero-block-nan", "torchao-float8", ("quantize.codes", "quantize.scale", "quantize.sign_symmetry"),
+        applies="torchao 0.18.0, Float8Tensor.from_hp with no activation_value_lb (the default)",
+        what="an all-zero block gets scale 0 and NaN codes (0/0)",
+        link="https://github.com/pytorch/ao/issues/4713",
+        reason="_choose_scale_float8 has no amax floor by default; fix PRs #4714 and #4762 are open",
+        test=_F + "test_torchao_float8.py::test_all_zero_row_quantizes_to_zero_codes"),
+    *_peer_entries(
+        "torchao-row-k1-crash", "torchao-float8", ("quantize.scale_equivariance",),
+        applies="torchao 0.18.0, per-row scaling of a [M, 1] tensor",
+        what="RuntimeError: shape '[M, 1]' is invalid (block [1, 1] reduces over no dimension)",
+        link=None, reason="no upstream report found",
+        test=_F + "test_torchao_float8.py::test_per_row_scaling_of_a_single_column"),
+    *_peer_entries(
+        "torchao-e8m0-nearest", "torchao-float8", (),
+        applies="torchao 0.18.0, scale_dtype=torch.float8_e8m0fnu",
+        what="E8M0 scales rounded to the nearest power of two: the block maximum is clipped by up to 29 %",
+        link=None, reason="no upstream report found (jax-ml/ml_dtypes#298 discusses E8M0 rounding modes); the "
+                          "certificate's quantize.scale failure is shrunk to the zero-block defect first",
+        test=_F + "test_torchao_float8.py::test_e8m0_scale_never_clips_the_block_maximum"),
+    *_peer_entries(
+        "compressed-tensors-bf16-double-rounding", "compressed-tensors-fp8", ("quantize.codes",),
+        applies="compressed-tensors 0.20.0, bf16 (or fp16) input",
+        what="x / scale is rounded to bf16 before E4M3: two roundings, up to 1.06x the one-rounding bound",
+        link=None, reason="no upstream report found; quantize() divides in x's dtype",
+        test=_F + "test_compressed_tensors_fp8.py::test_bf16_input_is_rounded_once"),
+    *_peer_entries(
+        "quanto-bf16-double-rounding", "quanto-qfloat8", ("quantize.codes",),
+        applies="optimum-quanto 0.2.7, bf16 weights",
+        what="w / scale is rounded to bf16 before E4M3 (quantize_symmetric divides in w's dtype)",
+        link=None, reason="no upstream report found",
+        test=_F + "test_quanto_qfloat8.py::test_bf16_weights_are_rounded_once"),
+    *_peer_entries(
+        "quanto-zero-row-nan", "quanto-qfloat8", ("quantize.scale", "quantize.sign_symmetry"),
+        applies="optimum-quanto 0.2.7",
+        what="an all-zero output channel gets scale 0 and NaN codes",
+        link=None, reason="no upstream report found; absmax_scale has no floor",
+        test=_F + "test_quanto_qfloat8.py::test_all_zero_output_channel_quantizes_to_zero_codes"),
+    *_peer_entries(
+        "jax-mxfp8-zero-block-nan", "jax-mxfp8",
+        ("quantize.codes", "quantize.scale", "quantize.scale_equivariance", "quantize.sign_symmetry"),
+        applies="jax 0.10.2 on XLA:CPU, bf16 or fp32 input",
+        what="an all-zero (or all-subnormal) 32-block gets E8M0 code 0, whose 2**-127 stand-in XLA:CPU flushes to "
+             "0: NaN codes",
+        link=None, reason="no upstream report found (same class: flashinfer#2440); XLA:CPU flushes subnormals",
+        test=_F + "test_jax_mxfp8.py::test_all_zero_block_quantizes_to_zero_codes"),
+    *_peer_entries(
+        "modelopt-tiny-amax", "modelopt-fp8", ("quantize.scale",),
+        applies="nvidia-modelopt 0.47.0, CPU fake quantization (_fp8_eager)",
+        what="amax <= 2**-24 is replaced by 1: a block of tiny values quantizes to zero codes",
+        link=None, reason="no upstream report found; the CUDA kernel has the same rule (Model-Optimizer PR #381)",
+        test=_F + "test_modelopt_fp8.py::test_a_tiny_block_keeps_its_values"),
+    *_peer_entries(
+        "sglang-scaled-mm-bias-rounding", "sglang-scaled-mm", (),
+        applies="sglang 0.5.23 triton_scaled_mm with a bias",
+        what="the bias is added after rounding acc * scales to the output dtype: two roundings (vLLM's copy adds "
+             "it to the fp32 accumulator)",
+        link=None, reason="no upstream report found; certified as declared (output_roundings=2, standard class)",
+        test=_F + "test_sglang_scaled_mm_bias.py::test_bias_is_added_before_the_output_rounding"),
+]
 
 def known_failure(id: str) -> dict:
     """The ledger entry called ``id`` (KeyError listing the ids otherwise)."""

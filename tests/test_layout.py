@@ -50,6 +50,7 @@ LAYERS = [
     ("fp8ref.checkpoint",),
     ("fp8ref",),
     ("fp8ref.conformance",),
+    ("fp8ref.peers",),
     ("fp8ref.audit",),
     ("fp8ref.bench",),
     ("fp8ref.cli",),

@@ -77,6 +77,26 @@ def test_build_key_separates_environments(monkeypatch):
     assert native.build_key()["prefix"] == "/some/other/venv"
 
 
+def test_build_key_ignores_where_the_sources_lie(monkeypatch, tmp_path):
+    """tox builds from the checkout (``python -m fp8ref.kernels.cpu_fp8`` in the repository) and
+    pytest imports the installed copy: the same sources at another path must name the same build."""
+    import shutil
+
+    name = native.build_name()
+    copy = tmp_path / "site-packages" / "fp8ref" / "kernels" / "csrc"
+    shutil.copytree(native.CSRC, copy)
+    monkeypatch.setattr(native, "CSRC", copy)
+    native._source_digest.cache_clear()
+    try:
+        assert native.build_name() == name
+        (copy / native.SOURCES[0]).write_text((copy / native.SOURCES[0]).read_text() + "\n// changed\n")
+        native._source_digest.cache_clear()
+        assert native.build_name() != name  # content still counts
+    finally:
+        monkeypatch.undo()
+        native._source_digest.cache_clear()
+
+
 def test_build_dir_is_under_torch_extensions_dir(unbuilt, tmp_path):
     assert native.build_dir() == tmp_path / "ext" / native.build_name()
     assert native.library_path().parent == native.build_dir()

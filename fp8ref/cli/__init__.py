@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "fp8ref.cli.bench",
     "fp8ref.cli.conformance",
     "fp8ref.cli.audit",
+    "fp8ref.cli.certify",
 )
 
 

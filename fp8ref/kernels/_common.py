@@ -129,7 +129,7 @@ def native_rows(x: torch.Tensor, scheme: QuantScheme, mode: int):
 
 
 def _fast_ok(scheme: QuantScheme) -> bool:
-    return scheme.dynamic and scheme.scale_dtype == torch.float32
+    return scheme.dynamic and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule
 
 
 def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:

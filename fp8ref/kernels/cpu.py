@@ -234,7 +234,7 @@ class CpuWideBackend(Backend):
         return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and scheme.granularity is Granularity.ROW and scheme.dynamic and not scheme.pow2_scale
-                and scheme.scale_dtype == torch.float32)
+                and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule)
 
     @staticmethod
     def _checked(x, q, s, amax, scheme) -> Quantized:

@@ -7,9 +7,10 @@ that cpu-bf16 and cpu-fp32 use when it is there. Its sources are real files in
 
 **Where.** ``$TORCH_EXTENSIONS_DIR/<build_name()>`` (default ``~/.cache/torch_extensions``). The
 name holds a hash of everything that makes a build differ (``build_key``): the sources and
-headers, the flags, the compiler, the torch version and install, the Python version and the
-environment's prefix. Two environments therefore never share (and never rebuild over) one build
-directory, and a change of any source gets a new one.
+headers (by content, not by path: a checkout and its installed copy share a build), the flags,
+the compiler, the torch version and install, the Python version and the environment's prefix.
+Two environments therefore never share (and never rebuild over) one build directory, and a
+change of any source gets a new one.
 
 **When.** A build happens only on an explicit request, and never inside a timed or probed call:
 
@@ -98,11 +99,14 @@ def build_key() -> dict[str, str]:
     --------
     >>> from fp8ref.kernels import native
     >>> sorted(native.build_key())
-    ['cflags', 'compiler', 'csrc', 'ldflags', 'prefix', 'python', 'sources', 'torch', 'torch_dir']
+    ['cflags', 'compiler', 'ldflags', 'prefix', 'python', 'sources', 'torch', 'torch_dir']
+
+    The sources count by content, never by path: tox builds the extension with ``python -m
+    fp8ref.kernels.cpu_fp8`` run from the repository (fp8ref imported from the checkout) while
+    pytest imports the installed copy from site-packages; both must find the same build.
     """
     return {
         "sources": _source_digest(),
-        "csrc": str(CSRC),  # the build file names the sources by path
         "cflags": " ".join(CFLAGS),
         "ldflags": " ".join(LDFLAGS),
         "compiler": _compiler(),

@@ -183,7 +183,7 @@ def group_quant_buffers(x: torch.Tensor, group_size: int) -> dict[str, torch.Ten
 def _quant_reason(scheme: QuantScheme) -> str | None:
     if scheme.format != E4M3FN or scheme.qmax != E4M3FN.max:
         return "sgl-kernel quantizes to e4m3fn with qmax 448 only"
-    if not scheme.dynamic or scheme.pow2_scale or scheme.scale_dtype != torch.float32:
+    if not scheme.dynamic or scheme.pow2_scale or scheme.scale_dtype != torch.float32 or not scheme.standard_scale_rule:
         return "sgl-kernel computes dynamic fp32 scales only (no pow2_scale)"
     if scheme.granularity not in (Granularity.ROW, Granularity.GROUP):
         return f"sgl-kernel quantizes per token or per 1 x G group, not {scheme.granularity.value}"

@@ -107,7 +107,7 @@ def _quant_reason(scheme: QuantScheme) -> str | None:
         return f"the triton quantize kernel rounds to e4m3fn only, not {scheme.format.name}"
     if not scheme.dynamic:
         return "the triton quantize kernel computes dynamic scales only"
-    if scheme.scale_dtype != torch.float32 or scheme.pow2_scale:
+    if scheme.scale_dtype != torch.float32 or scheme.pow2_scale or not scheme.standard_scale_rule:
         return "the triton quantize kernel stores plain fp32 scales (no pow2_scale, scale_dtype float32)"
     if scheme.granularity is Granularity.BLOCK:
         return "the triton quantize kernel does per-tensor, per-row and 1 x G groups, not R x C blocks"

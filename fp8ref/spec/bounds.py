@@ -71,17 +71,27 @@ class Accumulation:
     promote_every : int or None
         If set, partial sums of at most this many products are added into an fp32 accumulator
         (CUTLASS-style promotion, N_C in the DeepSeek-V3 report, section 3.3.2).
+    operand_dtype : torch.dtype or None
+        Dequantize-then-GEMM: each operand is dequantized (``code * scale``) and rounded to this
+        dtype (bf16 or fp16) before a GEMM that accumulates with ``unit_roundoff`` (fp32 only) and
+        applies no further scale. None (default): the codes reach the GEMM unrounded.
     """
 
     name: str
     unit_roundoff: float
     promote_every: int | None = None
+    operand_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.unit_roundoff < 1):
             raise ValueError(f"unit_roundoff must lie in [0, 1), got {self.unit_roundoff}")
         if self.promote_every is not None and self.promote_every < 1:
             raise ValueError("promote_every must be a positive int")
+        if self.operand_dtype is not None:
+            if self.operand_dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"operand_dtype must be torch.bfloat16 or torch.float16, got {self.operand_dtype}")
+            if self.unit_roundoff != U_FP32 or self.promote_every is not None:
+                raise ValueError("dequantize-then-GEMM (operand_dtype) is declared for fp32 accumulation only")
 
     def error_factor(self, length: int) -> float:
         """g with |fl(sum_k p_k) - sum_k p_k| <= g sum_k |p_k| for ``length`` exact products.
@@ -100,12 +110,14 @@ class Accumulation:
         g_chunk = gamma(self.promote_every - 1, self.unit_roundoff)
         return g_chunk + gamma(math.ceil(length / self.promote_every), U_FP32) * (1 + g_chunk)
 
-    # Populated below: EXACT, FP32, FAST, BF16, FP16.
+    # Populated below: EXACT, FP32, FAST, BF16, FP16, BF16_OPERANDS, FP16_OPERANDS.
     EXACT = None  # type: ignore[assignment]
     FP32 = None  # type: ignore[assignment]
     FAST = None  # type: ignore[assignment]
     BF16 = None  # type: ignore[assignment]
     FP16 = None  # type: ignore[assignment]
+    BF16_OPERANDS = None  # type: ignore[assignment]
+    FP16_OPERANDS = None  # type: ignore[assignment]
 
 
 Accumulation.EXACT = Accumulation("exact", 0.0)
@@ -115,6 +127,10 @@ Accumulation.FP32 = Accumulation("fp32", U_FP32)
 Accumulation.FAST = Accumulation("fast", 2.0**-13)
 Accumulation.BF16 = Accumulation("bf16", 2.0**-8)
 Accumulation.FP16 = Accumulation("fp16", 2.0**-11)
+#: Dequantize-then-GEMM: operands dequantized and rounded to bf16 (fp16), then an fp32-accumulating
+#: GEMM (a bf16 ``F.linear`` on CPU, optimum-quanto and fake-quantized models).
+Accumulation.BF16_OPERANDS = Accumulation("bf16-operands-fp32", U_FP32, operand_dtype=torch.bfloat16)
+Accumulation.FP16_OPERANDS = Accumulation("fp16-operands-fp32", U_FP32, operand_dtype=torch.float16)
 
 
 class PrecisionClass(str, enum.Enum):
@@ -148,7 +164,7 @@ def precision_class(accumulation: Accumulation, output_roundings: int) -> Precis
     u = accumulation.unit_roundoff
     if u == 0 and output_roundings == 1:
         return PrecisionClass.EXACT
-    if u <= U_FP32 and accumulation.promote_every is None:
+    if u <= U_FP32 and accumulation.promote_every is None and accumulation.operand_dtype is None:
         return PrecisionClass.STRICT if output_roundings == 1 else PrecisionClass.STANDARD
     return PrecisionClass.FAST
 
@@ -243,9 +259,17 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     * other accumulators: E = g_acc(L) P + gamma_{nseg+3}(u32) ((1 + g_acc(L)) P + |bias|),
       with g_acc from ``Accumulation.error_factor`` and an fp32 epilogue.
     * exact accumulation (float64 epilogue): E = gamma_{nseg+2}(u64) (P + |bias|).
+    * dequantize-then-GEMM (``operand_dtype`` with unit roundoff u_d, smallest subnormal eta_d):
+      each operand is a s (1 + d) + e with |d| <= v = (1 + u32)(1 + u_d) - 1 (an fp32 product
+      rounded to the operand dtype, or one rounding) and |e| <= eta_d; with R_a[m] =
+      sum_g |sa| sum_k |a_k| and R_b[n] likewise, the rounded products differ from the exact ones by
+      D = ((1 + v)^2 - 1) P + eta_d (1 + v)(R_a + R_b) + K eta_d^2, and the fp32 GEMM (K - 1
+      additions, one rounding per product, one bias addition) adds gamma_{K+1}(u32) (P + D + |bias|):
+      E = D + gamma_{K+1}(u32) (P + D + |bias|).
 
     A second rounding to the output dtype (``output_roundings=2``: the accumulator or the
-    pre-bias value rounded to ``out_dtype`` first) adds u_o (1 + g) P + (eta_o/2)(1 + sum_g |sa sb|).
+    pre-bias value rounded to ``out_dtype`` first) adds u_o (1 + g) P + (eta_o/2)(1 + sum_g |sa sb|)
+    (u_o (P + D) for dequantize-then-GEMM).
     The final rounding adds u_o (|y*| + E') + eta_o/2, and |y*| <= |y_ref| + E_ref. Finally the
     reference's own deviation E_ref (``reference_gemm_error_bound``) is added, because the
     comparison is against y_ref, not y*.
@@ -265,23 +289,46 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
         raise ValueError(f"y_ref must be the reference's float64 [M, N] result, got {y_ref.dtype} "
                          f"{tuple(y_ref.shape)}")
     u_acc = accumulation.unit_roundoff
-    if u_acc == 0:
-        g = 0.0
-        pre = gamma(nseg + 2, U_FP64) * (mass + abias)
-    elif u_acc <= U_FP32 and accumulation.promote_every is None:
-        g = gamma(K + 3, U_FP32)
-        pre = g * (mass + abias)
+    if accumulation.operand_dtype is not None:
+        pre = _operand_rounding_error(a, b, accumulation.operand_dtype, mass, abias)
+        inter = mass + pre  # bounds |z| before the bias: the rounded products' sum
     else:
-        g = accumulation.error_factor(L)
-        pre = g * mass + gamma(nseg + 3, U_FP32) * ((1 + g) * mass + abias)
+        if u_acc == 0:
+            g = 0.0
+            pre = gamma(nseg + 2, U_FP64) * (mass + abias)
+        elif u_acc <= U_FP32 and accumulation.promote_every is None:
+            g = gamma(K + 3, U_FP32)
+            pre = g * (mass + abias)
+        else:
+            g = accumulation.error_factor(L)
+            pre = g * mass + gamma(nseg + 3, U_FP32) * ((1 + g) * mass + abias)
+        inter = (1 + g) * mass
     if output_roundings == 2:
         scale_mass = sum(
             (torch.outer(scale_column(a, k0), scale_column(b, k0)).abs() for k0, _ in segs),
             torch.zeros((), dtype=torch.float64, device=mass.device),
         )
-        pre = pre + u_o * (1 + g) * mass + (eta_o / 2) * (1 + scale_mass)
+        pre = pre + u_o * inter + (eta_o / 2) * (1 + scale_mass)
     y_abs = y_ref.abs() + e_ref
     return pre + u_o * (y_abs + pre) + eta_o / 2 + e_ref
+
+
+def _row_mass(q: Quantized) -> torch.Tensor:
+    """sum_k |code_k scale_k| per row of ``q`` (float64, exact up to one rounding per term and sum:
+    inflated by 1 + gamma_{cols+1}(u64))."""
+    rows, cols = q.data.shape
+    s = expand_scale(q.scale.to(torch.float64), q.scheme, rows, cols)
+    return (q.data.to(torch.float64).abs() * s.abs()).sum(dim=1) * (1 + gamma(cols + 1, U_FP64))
+
+
+def _operand_rounding_error(a: Quantized, b: Quantized, dtype: torch.dtype, mass: torch.Tensor,
+                            abias: torch.Tensor) -> torch.Tensor:
+    """E of a dequantize-then-GEMM with operands rounded to ``dtype`` (see ``gemm_error_bound``)."""
+    K = a.data.shape[1]
+    v = (1 + U_FP32) * (1 + unit_roundoff(dtype)) - 1
+    eta = _eta(dtype)
+    d = ((1 + v) ** 2 - 1) * mass + eta * (1 + v) * (_row_mass(a)[:, None] + _row_mass(b)[None, :]) + K * eta**2
+    return d + gamma(K + 1, U_FP32) * (mass + d + abias)
 
 
 def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quantized,

@@ -3,9 +3,11 @@
 For a block B of ``x`` (shape ``[rows, cols]``, blocks from the scheme's granularity)::
 
     amax  = max |x_i| over B                       (in fp32: exact)
-    s     = max(amax, floor) / qmax                (fp32, correctly rounded; s = 1 if it is 0)
+    s     = max(amax, floor) / qmax                (correctly rounded to scale_compute_dtype, fp32
+                                                    by default; s = zero_scale if it is 0)
     s     = 2**ceil(log2 s)                        (only with pow2_scale)
-    s     = round(s, scale_dtype)                  (stored scale; at least scale_dtype's tiny)
+    s     = round(s, scale_dtype)                  (stored scale; at least scale_dtype's smallest
+                                                    normal, or subnormal with subnormal_scales)
     v_i   = fl32(x_i / s)                          (a true IEEE division, one rounding)
     q_i   = RNE_fmt(clamp(v_i, -qmax, qmax))       (one rounding to the FP8 grid)
 
@@ -35,6 +37,8 @@ __all__ = [
 ]
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Fraction bits of each scale dtype: its smallest subnormal is smallest_normal * 2**-bits.
+_SIGNIFICAND_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
 @dataclass(frozen=True)
@@ -139,9 +143,12 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
     Notes
     -----
-    s = max(amax, floor) / qmax in fp32 (s = 1 when both amax and floor are 0), then rounded up
-    to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never below that
-    dtype's smallest normal. Hence s > 0 and finite for every finite input.
+    s = max(amax, floor) / qmax correctly rounded to ``scale_compute_dtype`` (fp32 by default;
+    computed in fp32 and rounded once more, which equals the correctly rounded quotient because
+    fp32 carries more than 2p + 2 bits of a bf16/fp16 significand), ``zero_scale`` where that is
+    0, then rounded up to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never
+    below that dtype's smallest normal (smallest subnormal with ``subnormal_scales``). Hence
+    s > 0 and finite for every finite input.
     """
     rows, cols = x.shape
     r, c = scheme.block_shape(rows, cols)
@@ -154,12 +161,15 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
         amax = torch.cat([_blocks(x[r0:r1].to(torch.float32).abs(), r, c).amax(dim=(1, 3))
                           for r0, r1 in _row_chunks(rows, cols, r)])
     s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
-    s = torch.where(s == 0, torch.ones_like(s), s)
+    if scheme.scale_compute_dtype != torch.float32:
+        s = s.to(scheme.scale_compute_dtype).to(torch.float32)
+    s = torch.where(s == 0, torch.full_like(s, scheme.zero_scale), s)
     if scheme.pow2_scale:
         m, e = torch.frexp(s)  # s = m * 2**e, 0.5 <= m < 1; a power of two has m == 0.5
         s = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
     info = torch.finfo(scheme.scale_dtype)
-    s = torch.clamp(s, min=info.tiny).to(scheme.scale_dtype)
+    lowest = info.smallest_normal * (2.0 ** -_SIGNIFICAND_BITS[scheme.scale_dtype] if scheme.subnormal_scales else 1)
+    s = torch.clamp(s, min=lowest).to(scheme.scale_dtype)
     if not bool(torch.isfinite(s).all()):
         raise ValueError(f"a scale overflows {scheme.scale_dtype} (amax {float(amax.max()):g} / qmax "
                          f"{scheme.qmax:g} > {info.max:g}); use a wider scale_dtype")

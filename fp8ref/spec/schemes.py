@@ -76,6 +76,19 @@ class QuantScheme:
         scale, so x ~ data * scale holds for what is stored.
     pow2_scale : bool
         Round the scale up to a power of two (then x / scale is exact and never exceeds qmax).
+        E8M0 scales (MX formats) are such powers of two, stored here as their fp32 values.
+    zero_scale : float
+        The scale of a block whose computed scale is 0 (an all-zero block with no amax floor, or a
+        quotient that underflows ``scale_compute_dtype``): 1 by default (TransformerEngine);
+        compressed-tensors uses the scale dtype's eps. Any positive finite value gives the same
+        codes (all 0) and the same bound; NaN or 0 is a defect, never a convention.
+    scale_compute_dtype : torch.dtype
+        dtype in which max(amax, floor) / qmax is evaluated (one rounding to it) before
+        ``pow2_scale`` and before storing in ``scale_dtype``: fp32 by default; torchao,
+        compressed-tensors and jax compute the scale in the input's dtype (bf16/fp16).
+    subnormal_scales : bool
+        Keep a stored scale that is subnormal in ``scale_dtype`` (as torch's bf16/fp16 division
+        does) instead of raising it to the dtype's smallest normal. Either way the scale is > 0.
 
     Examples
     --------
@@ -93,6 +106,9 @@ class QuantScheme:
     qmax: float | None = None
     scale_dtype: torch.dtype = torch.float32
     pow2_scale: bool = False
+    zero_scale: float = 1.0
+    scale_compute_dtype: torch.dtype = torch.float32
+    subnormal_scales: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -129,8 +145,21 @@ class QuantScheme:
         object.__setattr__(self, "qmax", float(qmax))
         if self.scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, got {self.scale_dtype}")
-        if not isinstance(self.dynamic, bool) or not isinstance(self.pow2_scale, bool):
-            raise ValueError("dynamic and pow2_scale must be bools")
+        if self.scale_compute_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scale_compute_dtype must be one of {_SCALE_DTYPES}, got {self.scale_compute_dtype}")
+        zs = self.zero_scale
+        if not isinstance(zs, (int, float)) or isinstance(zs, bool) or not math.isfinite(zs) or zs <= 0:
+            raise ValueError(f"zero_scale must be a finite float > 0 (NaN or 0 scales are defects), got {zs!r}")
+        object.__setattr__(self, "zero_scale", float(zs))
+        for flag in ("dynamic", "pow2_scale", "subnormal_scales"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+
+    @property
+    def standard_scale_rule(self) -> bool:
+        """True when the scale follows the default rule: computed in fp32, 1 for a zero block, never
+        subnormal (what fp8ref's fast kernels implement; other conventions go to the reference)."""
+        return self.zero_scale == 1.0 and self.scale_compute_dtype == torch.float32 and not self.subnormal_scales
 
     def block_shape(self, rows: int, cols: int) -> tuple[int, int]:
         """(r, c): the extent of one scale's block for a ``[rows, cols]`` tensor (at least 1)."""
@@ -166,6 +195,12 @@ class QuantScheme:
             parts.append(str(self.scale_dtype).replace("torch.", "s"))
         if self.pow2_scale:
             parts.append("pow2")
+        if self.zero_scale != 1.0:
+            parts.append(f"zero{self.zero_scale:g}")
+        if self.scale_compute_dtype != torch.float32:
+            parts.append(str(self.scale_compute_dtype).replace("torch.", "c"))
+        if self.subnormal_scales:
+            parts.append("subn")
         return "-".join(parts)
 
     def with_(self, **changes) -> QuantScheme:
