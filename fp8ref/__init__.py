@@ -60,6 +60,52 @@ from .spec.schemes import (
 
 __version__ = "0.1.0"
 
+#: Modules that moved when the tree was split by layer (fp8ref 0.1 layout): importing an old
+#: name still works, returns the new module and warns once (DeprecationWarning); it goes in 0.3.
+#: ``fp8ref.linear`` was a module shadowed by the function of the same name: use ``fp8ref.api``.
+#: The old ``fp8ref.cli_*`` modules were the command's internals; the command line is unchanged.
+MOVED_MODULES = {
+    "fp8ref.formats": "fp8ref.spec.formats",
+    "fp8ref.schemes": "fp8ref.spec.schemes",
+    "fp8ref.quant": "fp8ref.spec.quant",
+    "fp8ref.gemm": "fp8ref.spec.gemm",
+    "fp8ref.bounds": "fp8ref.spec.bounds",
+}
+
+
+class _MovedModuleFinder:
+    """Resolves an old module name from ``MOVED_MODULES`` to the module at its new place."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        new = MOVED_MODULES.get(name)
+        if new is None:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(name, _MovedModuleFinder(), origin=new)
+
+    @staticmethod
+    def create_module(spec):
+        import importlib
+        import warnings
+
+        warnings.warn(f"{spec.name} moved to {spec.origin}; import that instead ({spec.name} goes in fp8ref 0.3)",
+                      DeprecationWarning, stacklevel=3)
+        module = importlib.import_module(spec.origin)
+        _sys.modules[spec.name] = module
+        return module
+
+    @staticmethod
+    def exec_module(module):
+        pass
+
+
+import sys as _sys  # noqa: E402
+
+if not any(isinstance(f, _MovedModuleFinder) for f in _sys.meta_path):
+    _sys.meta_path.append(_MovedModuleFinder())
+
 __all__ = [
     "Backend",
     "BackendInfo",

@@ -191,10 +191,15 @@ def _blob(exc: BaseException) -> str | None:
 
 def _profile_for(backend: Backend, prof: Profile) -> Profile:
     """The profile, with the element budget lowered to the backend's optional
-    ``conformance_max_elems`` hint (interpreted kernels pay per element)."""
+    ``conformance_max_elems`` hint (interpreted kernels pay per element) and the example count to
+    its optional ``conformance_max_examples`` hint. Both are counts, never times, so a
+    derandomized profile checks the same examples on every machine."""
     hint = getattr(backend, "conformance_max_elems", None)
     if isinstance(hint, int) and 0 < hint < prof.max_elems:
-        return prof.with_(max_elems=hint)
+        prof = prof.with_(max_elems=hint)
+    hint = getattr(backend, "conformance_max_examples", None)
+    if isinstance(hint, int) and 0 < hint < prof.max_examples:
+        prof = prof.with_(max_examples=hint)
     return prof
 
 
@@ -354,8 +359,11 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     seed = resolve_seed(prof, seed)
     rep = Report(backend.name, prof.name, seed, precision=backend.precision.value,
                  accumulation=backend.accumulation.name, output_roundings=backend.output_roundings)
-    if _profile_for(backend, prof).max_elems != prof.max_elems:
-        rep.profile = f"{prof.name} (max {_profile_for(backend, prof).max_elems} elements per operand, backend hint)"
+    eff = _profile_for(backend, prof)
+    hints = ([f"max {eff.max_elems} elements per operand"] if eff.max_elems != prof.max_elems else []) + (
+        [f"{eff.max_examples} drawn examples per contract"] if eff.max_examples != prof.max_examples else [])
+    if hints:
+        rep.profile = f"{prof.name} ({', '.join(hints)}, backend hint)"
     try:
         reason = backend.available()
     except Exception as exc:

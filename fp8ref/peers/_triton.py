@@ -30,8 +30,11 @@ class TritonPeer(Peer):
     """A peer whose kernels are ``triton.jit`` functions (interpreted on a CPU)."""
 
     accumulation = Accumulation.FP32
-    #: the interpreter runs each program in Python: certify on small operands (reports say so)
+    #: the interpreter runs each program in Python: certify on small operands and 8 drawn examples
+    #: per contract besides the pinned ones (counts, not a clock: the same examples on every machine;
+    #: reports say so)
     conformance_max_elems = 1024
+    conformance_max_examples = 8
 
     def prepare(self) -> str | None:
         if not interpreting() and not torch.cuda.is_available():

@@ -96,6 +96,9 @@ def run_contracts(peer: Peer, profile="ci", seed: int | None = None, contracts: 
     hint = getattr(peer, "conformance_max_elems", None)
     if isinstance(hint, int) and hint < prof.max_elems:
         rep.profile = f"{prof.name} (max {hint} elements per operand, backend hint)"
+    hint = getattr(peer, "conformance_max_examples", None)
+    if isinstance(hint, int) and hint < prof.max_examples:
+        rep.profile += f" ({hint} drawn examples per contract, backend hint)"
     budget = getattr(peer, "time_budget_s", None)
     if isinstance(budget, (int, float)) and budget > prof.time_budget_s:
         # a peer that compiles per shape (XLA) spends the budget before the pinned examples run
