@@ -394,6 +394,7 @@ def test_entry_points_guard_their_operands(mod):
     assert mod.quant_blocks(x, big, big, *args)[1].shape == (1, 1)
     _raises_runtime(mod.scale_epilogue, torch.zeros(3, 5, device="meta"), sa, sb, bias, False, True, -1)
     _raises_runtime(mod.scale_epilogue, torch.zeros(3, 5), sa, torch.ones(4), bias, False, True, -1)
+    assert gemm_(a, b, sa, sb, bias, True).shape == (3, 5)  # isa defaults to this CPU's best path
     for M, N in ((0, 5), (3, 0), (0, 0)):  # empty outputs, no division by zero
         out = mod.scale_epilogue(torch.zeros(M, N, dtype=f32), torch.ones(M), torch.ones(N), bias[:N], False, True,
                                  -1)
