@@ -6,7 +6,7 @@ else from fp8ref; tests/test_layout.py checks both.
 
 - ``fp8ref.spec``: the spec (formats, schemes, the reference quantizer, the exact scaled GEMM,
   the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
-  helpers ``_machine`` (CPU detection) and ``_io`` (atomic writes).
+  helpers ``_machine`` (CPU detection), ``_io`` (atomic writes) and ``_progress`` (progress bars).
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
 - ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``).
 - ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).

@@ -1,4 +1,12 @@
-"""The reference linear: quantize the weight and the activations, then the reference scaled GEMM."""
+"""``fp8ref.linear`` and ``fp8ref.explain``, the reference linear, and the argument checks all three
+make first.
+
+Every entry point that takes a caller's tensors (``linear``, ``explain``, ``reference_linear``, and
+through ``linear`` ``Fp8Linear``) checks them with the functions of the first section before any
+selection, probe or kernel runs: types and dtypes, shapes, the output dtype, whether a gradient is
+asked for, then NaN/Inf. Each error names the offending argument. The checks of a weight run once
+per weight (they are cached with its quantized form); the per-call checks cost a few microseconds.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,172 @@ import weakref as _weakref
 import torch
 
 from . import select as _select
+from .kernels._common import BIAS_NON_FINITE, check_codes, check_finite
 from .registry import Backend as _Backend
 from .registry import Case as _Case
-from .spec.gemm import scaled_mm
-from .spec.quant import Quantized, quantize
+from .spec.gemm import OUT_DTYPES, scaled_mm
+from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
 __all__ = ["reference_linear", "quantize_weight", "flatten_activations", "linear", "explain", "clear_weight_cache",
-           "tensor_version"]
+           "tensor_version", "check_linear_args", "check_finite", "check_codes", "X_DTYPES"]
+
+#: The activation dtypes ``fp8ref.linear`` takes: the reference quantizer's inputs.
+X_DTYPES = _select.X_DTYPES
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks: one set for every entry point, in the order a caller should hear about them
+# (check_codes, for a Quantized weight, lives beside check_finite in kernels/_common).
+
+
+_META = "fp8ref computes on values (the scales depend on them), so there is no shape-only (meta) run"
+
+
+def _check_x(x) -> None:
+    """Type, dtype and rank of the activations (cheap: every call)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor [..., K], got {type(x).__name__}")
+    if x.dtype not in X_DTYPES:
+        if _is_fp8(x.dtype):
+            raise TypeError(f"x is an FP8 tensor ({x.dtype}): fp8ref.linear quantizes float activations itself; "
+                            "pass them in float32, float16, bfloat16 or float64 (for quantized operands use "
+                            "fp8ref.scaled_mm)")
+        raise TypeError(f"x must have a float dtype {[str(d) for d in X_DTYPES]}, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim [..., K], got a 0-d tensor")
+    if x.device.type == "meta":
+        raise ValueError(f"x is on the meta device, which holds no values: {_META}")
+
+
+def _check_weight(w, recipe: Recipe) -> None:
+    """Type, dtype, shape and values of the weight (once per weight: the result is cached)."""
+    if isinstance(w, Quantized):
+        if w.scheme != recipe.weight:
+            raise ValueError(f"w was quantized as {w.scheme.short_str()}, recipe {recipe.name} expects "
+                             f"{recipe.weight.short_str()}")
+        if w.data.device.type == "meta":
+            raise ValueError(f"w is on the meta device, which holds no values: {_META}")
+        if w.data.shape[1] == 0:
+            raise ValueError(f"w has 0 columns (shape {tuple(w.data.shape)}): the reduction dim K must be at least 1")
+        check_codes(w, "w")
+        return
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a float torch.Tensor [N, K] or an fp8ref.Quantized, got {type(w).__name__}")
+    if _is_fp8(w.dtype):
+        raise TypeError(f"w is an FP8 tensor ({w.dtype}) without its scales: pass the float weight (fp8ref.linear "
+                        "quantizes it once), or fp8ref.Quantized(codes, scale, recipe.weight)")
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if w.device.type == "meta":
+        raise ValueError(f"w is on the meta device, which holds no values: {_META}")
+    check_float_input(w, "w")
+
+
+def _check_call(x: torch.Tensor, N: int, K: int, w_device: torch.device, bias, out_dtype) -> torch.dtype:
+    """The per-call checks after the weight's: shapes, devices, bias, output dtype (``_check_values``
+    then scans the values). Returns the output dtype."""
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but w is [{N}, {K}]")
+    if x.device != w_device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w_device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a float torch.Tensor [N] or None, got {type(bias).__name__}")
+        if not bias.is_floating_point() or _is_fp8(bias.dtype):
+            raise TypeError(f"bias must have a float dtype, got {bias.dtype}")
+        if tuple(bias.shape) != (N,):
+            raise ValueError(f"bias must have shape ({N},) = [N], got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+    od = x.dtype if out_dtype is None else out_dtype
+    if od not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]} (or None: x's dtype), got {od}")
+    return od
+
+
+def _check_values(x: torch.Tensor, bias) -> None:
+    """NaN/Inf in x or bias: the last of the caller's checks (one reduction each)."""
+    check_finite(x, "x", "FP8 quantization of NaN/Inf is undefined")
+    if bias is not None:
+        check_finite(bias, "bias", BIAS_NON_FINITE)
+
+
+def check_linear_args(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
+                      recipe: Recipe | str = W8A8_FP8,
+                      out_dtype: torch.dtype | None = None) -> tuple[Recipe, torch.dtype]:
+    """Check the arguments of a linear ``y = x w^T + bias`` and return ``(recipe, out_dtype)``.
+
+    What ``fp8ref.linear``, ``fp8ref.explain`` and ``reference_linear`` check before anything else
+    runs, in this order: x's type, dtype (float32/16, bfloat16, float64; not FP8), rank and device
+    (not meta); the recipe; w's type, dtype, shape, device, values (float: finite; ``Quantized``: its
+    scheme is the recipe's, no NaN/Inf codes, finite positive scales); x's K and device against w's;
+    bias's type, dtype, shape [N] and device; ``out_dtype``; NaN/Inf in x and bias.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the offending argument.
+
+    Examples
+    --------
+    >>> import torch, fp8ref
+    >>> from fp8ref.api import check_linear_args
+    >>> check_linear_args(torch.randn(2, 8), torch.randn(4, 8))[1]
+    torch.float32
+    >>> check_linear_args(torch.randn(2, 8), torch.randn(4, 8), torch.zeros(5))
+    Traceback (most recent call last):
+    ...
+    ValueError: bias must have shape (4,) = [N], got (5,)
+    """
+    _check_x(x)
+    recipe = get_recipe(recipe)
+    _check_weight(w, recipe)
+    wt = w.data if isinstance(w, Quantized) else w
+    N, K = wt.shape
+    od = _check_call(x, N, K, wt.device, bias, out_dtype)
+    _check_values(x, bias)
+    return recipe, od
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd: fp8ref computes no gradients, and says so when one is asked for.
+
+
+def _grad_inputs(x: torch.Tensor, w, bias) -> dict[str, torch.Tensor] | None:
+    """The tensor arguments that require grad, by name, in grad mode (None otherwise: the common case)."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or getattr(w, "requires_grad", False)
+                                         or (bias is not None and bias.requires_grad))):
+        return None
+    return {n: t for n, t in (("x", x), ("w", w), ("bias", bias)) if isinstance(t, torch.Tensor) and t.requires_grad}
+
+
+class _NoGradient(torch.autograd.Function):
+    """An fp8ref output computed from inputs that require grad: the forward runs as usual (without
+    recording the backend's own graph), the backward raises. Never a silently detached output
+    (``loss.backward()`` would skip the layer) nor the derivative of the quantizer's internals
+    (what the reference's torch ops would record)."""
+
+    @staticmethod
+    def forward(ctx, names, run, *inputs):
+        ctx.names = names
+        return run()
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        raise RuntimeError(f"fp8ref computes no gradients ({' and '.join(ctx.names)} of an fp8ref linear "
+                           f"{'requires' if len(ctx.names) == 1 else 'require'} grad): FP8 quantization is "
+                           "piecewise constant and fp8ref is an inference reference (docs/spec.md, 'Autograd'). "
+                           "Detach the inputs, or run the forward under torch.no_grad() / torch.inference_mode()")
+
+
+def _without_gradient(run, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """``run()``, as an output whose backward raises when some ``inputs`` (those requiring grad) exist."""
+    return _NoGradient.apply(tuple(inputs), run, *inputs.values()) if inputs else run()
 
 
 def quantize_weight(w: torch.Tensor | Quantized, recipe: Recipe | str = W8A8_FP8,
@@ -24,9 +190,10 @@ def quantize_weight(w: torch.Tensor | Quantized, recipe: Recipe | str = W8A8_FP8
     recipe = get_recipe(recipe)
     if isinstance(w, Quantized):
         if w.scheme != recipe.weight:
-            raise ValueError(f"weight was quantized as {w.scheme.short_str()}, recipe {recipe.name} "
+            raise ValueError(f"w was quantized as {w.scheme.short_str()}, recipe {recipe.name} "
                              f"expects {recipe.weight.short_str()}")
         return w
+    check_float_input(w, "w")  # the spec's quantizer would call it "x"
     return quantize(w, recipe.weight, scale)
 
 
@@ -66,11 +233,15 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.T
     >>> fp8ref.reference_linear(x, w).shape
     torch.Size([4, 32])
     """
-    recipe = get_recipe(recipe)
+    recipe, out_dtype = check_linear_args(x, w, bias, recipe=recipe, out_dtype=out_dtype)
     x2, lead = flatten_activations(x)
-    qw = quantize_weight(w, recipe)
-    qx = quantize(x2, recipe.activation, input_scale)
-    y = scaled_mm(qx, qw, bias, out_dtype=x.dtype if out_dtype is None else out_dtype)
+
+    def run() -> torch.Tensor:
+        qw = quantize_weight(w, recipe)
+        qx = quantize(x2, recipe.activation, input_scale)
+        return scaled_mm(qx, qw, bias, out_dtype=out_dtype)
+
+    y = _without_gradient(run, _grad_inputs(x, w, bias))
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -129,18 +300,16 @@ def _version(w) -> object:
 
 
 def _weight_entry(w, recipe: Recipe, key: tuple) -> _WeightEntry:
-    """Quantize (a float weight) or check (a Quantized one) and cache it against w's identity."""
+    """Check and quantize (a float weight) or check (a Quantized one), and cache the result against
+    w's identity: the weight's checks run once per weight and version."""
+    _check_weight(w, recipe)
     is_tensor = isinstance(w, torch.Tensor)
-    if not is_tensor and not isinstance(w, Quantized):
-        raise TypeError(f"w must be a float torch.Tensor [N, K] or an fp8ref.Quantized, got {type(w).__name__}")
     if is_tensor:
-        if w.dim() != 2:
-            raise ValueError(f"w must be 2-D [N, K], got shape {tuple(w.shape)}")
         with torch.no_grad():
-            qw = quantize_weight(w.detach(), recipe)
+            qw = quantize(w.detach(), recipe.weight)
         STATS["quantize_weight"] += 1
     else:
-        qw = quantize_weight(w, recipe)
+        qw = w
 
     def _drop(ref, key=key, cache=_WEIGHTS):  # bound now: module globals are gone at interpreter exit
         e = cache.get(key)
@@ -158,12 +327,6 @@ def _resolve_dispatch(entry: _WeightEntry, x: torch.Tensor, M: int, bias, backen
     if not recipe.activation.dynamic:
         raise ValueError(f"recipe {recipe.name!r} has a static activation scheme; fp8ref.linear quantizes "
                          "activations dynamically (use reference_linear(..., input_scale=) for static scales)")
-    if x.device != entry.qw.data.device:
-        raise ValueError(f"x is on {x.device} but the weight is on {entry.qw.data.device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (entry.N,):
-            raise ValueError(f"bias must be a tensor of shape ({entry.N},), got "
-                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
     case = _Case(M=M, N=entry.N, K=entry.K, recipe=recipe, x_dtype=x.dtype, out_dtype=od, device=str(x.device),
                  has_bias=bias is not None)
     b, decision = _select.resolve(case, backend, precision)
@@ -208,12 +371,25 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     Returns
     -------
     torch.Tensor
-        ``[..., N]``.
+        ``[..., N]`` (empty when M = 0 or N = 0, as the reference computes it).
+
+    Raises
+    ------
+    TypeError, ValueError
+        The caller's errors, naming the argument, before any selection, probe or kernel (see
+        ``check_linear_args``): a non-float or FP8 ``x``, an FP8 ``w`` without scales, shapes that
+        do not fit, a bias that is not a float ``[N]``, an ``out_dtype`` outside ``OUT_DTYPES``,
+        NaN/Inf in ``x``, ``w`` or ``bias``, NaN codes in a ``Quantized`` weight.
+    BackendUnavailableError
+        A named (or ``FP8REF_BACKEND``-forced) backend that cannot run the case.
 
     Notes
     -----
     Under ``"auto"``, a backend that raises at run time is marked failed for this case (with
     one warning per backend) and the call is retried on the next compliant backend.
+
+    fp8ref computes no gradients: in grad mode, with an input that requires grad, the output's
+    backward raises ``RuntimeError`` (docs/spec.md, "Autograd"); run under ``torch.no_grad()``.
 
     Examples
     --------
@@ -222,40 +398,52 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     >>> fp8ref.linear(x, w, backend="reference").shape
     torch.Size([4, 32])
     """
+    _check_x(x)
+    if type(backend) is not str:
+        raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be a str (exact, strict, standard, fast), got {type(precision).__name__}")
     # A Recipe is keyed by id (the entry holds it, so the id stays valid); a preset name by value.
     wkey = (id(w), recipe if recipe.__class__ is str else id(recipe))
     e = _WEIGHTS.get(wkey)
     if e is None or e.ref() is not w or e.version != _version(w):
         e = _weight_entry(w, get_recipe(recipe), wkey)
+    od = _check_call(x, e.N, e.K, e.qw.data.device, bias, out_dtype)
     shape = x.shape
-    K = shape[-1] if shape else -1
-    if K != e.K:
-        raise ValueError(f"x has {K} features (shape {tuple(shape)}) but w is [{e.N}, {e.K}]")
-    x2 = x if len(shape) == 2 else x.reshape(-1, K)
+    x2 = x if len(shape) == 2 else x.reshape(-1, e.K)
     M = x2.shape[0]
-    od = x.dtype if out_dtype is None else out_dtype
     dkey = ((M - 1).bit_length() if M > 1 else 0, x.dtype, od, bias is None, backend, precision, x.device,
             _os.environ.get(_select.ENV_BACKEND), _os.environ.get(_select.ENV_CANDIDATES))
     d = e.dispatch.get(dkey)
     if d is None or d.generation != _select.generation():
+        _check_values(x, bias)  # before any selection, probe or kernel
         d = _resolve_dispatch(e, x, M, bias, backend, precision, od, dkey)
-    elif bias is not None and bias.shape[0] != e.N:
-        raise ValueError(f"bias must have shape ({e.N},), got {tuple(bias.shape)}")
-    try:
-        y = d.backend.linear(x2, d.prepared, bias, od, d.scheme)
-    except Exception as exc:
-        if not d.auto:
-            raise
-        y = _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc)
+    elif not d.backend.rejects_non_finite:
+        _check_values(x, bias)
+    grads = _grad_inputs(x, w, bias)
+    if grads is None:
+        y = _call(e, x, x2, M, bias, backend, precision, od, dkey, d)
+    else:
+        y = _without_gradient(lambda: _call(e, x, x2, M, bias, backend, precision, od, dkey, d), grads)
     return y if len(shape) == 2 else y.reshape(*shape[:-1], e.N)
 
 
-def _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc):
-    """The chosen backend raised under "auto": bad input is re-raised as the spec's error; else
-    mark the backend failed for this case and retry down the ranking (the reference is last)."""
-    from .spec.quant import check_float_input
+def _call(e, x, x2, M, bias, backend, precision, od, dkey, d):
+    try:
+        return d.backend.linear(x2, d.prepared, bias, od, d.scheme)
+    except Exception as exc:
+        # A backend that rejects NaN/Inf itself (rejects_non_finite) raised: the caller's error,
+        # worded as on a first call (x's own index, not its flattened view's), and never blamed
+        # on the backend under "auto".
+        _check_values(x, bias)
+        if not d.auto:
+            raise
+        return _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc)
 
-    check_float_input(x2, "x")  # NaN/Inf or a bad dtype: the caller's error, not the backend's
+
+def _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc):
+    """The chosen backend raised under "auto" on checked input: mark it failed for this case and
+    retry down the ranking (the reference is last)."""
     while True:
         _select.mark_failed(d.backend.name, d.key, exc)
         d = _resolve_dispatch(e, x, M, bias, backend, precision, od, dkey)
@@ -282,15 +470,10 @@ def explain(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | N
     >>> d.chosen in d.ranking
     True
     """
-    recipe = get_recipe(recipe)
-    if not isinstance(w, (torch.Tensor, Quantized)):
-        raise TypeError(f"w must be a float torch.Tensor [N, K] or an fp8ref.Quantized, got {type(w).__name__}")
+    recipe, od = check_linear_args(x, w, bias, recipe=recipe, out_dtype=out_dtype)
     N, K = (w.data if isinstance(w, Quantized) else w).shape
-    if x.shape[-1] != K:
-        raise ValueError(f"x has {x.shape[-1]} features but w is [{N}, {K}]")
-    M = x.numel() // K if K else 0
-    case = _Case(M=M, N=N, K=K, recipe=recipe, x_dtype=x.dtype, out_dtype=x.dtype if out_dtype is None else out_dtype,
-                 device=str(x.device), has_bias=bias is not None)
+    case = _Case(M=x.numel() // K, N=N, K=K, recipe=recipe, x_dtype=x.dtype, out_dtype=od, device=str(x.device),
+                 has_bias=bias is not None)
     d = _select.select(case, precision, refresh=refresh)
     if print_table:
         print(d.table())

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ._io import atomic_write
+from .api import check_codes, check_finite
 from .nn import Fp8Linear
 from .spec.formats import E4M3FN
 from .spec.quant import Quantized
@@ -180,7 +181,14 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
     CheckpointError
         Naming the tensor: an FP8 weight without ``weight_scale`` (or the reverse), a scale of the
         wrong shape (not ``[N, 1]``), dtype (not fp32/bf16/fp16) or value (non-finite or <= 0), a
-        weight of the wrong shape or dtype, a static ``input_scale``.
+        weight of the wrong shape or dtype or holding NaN codes (0x7F, 0xFF), a bias of the wrong
+        shape or dtype or holding NaN/Inf, a static ``input_scale``, any other tensor whose shape
+        is not the model's; naming the file: one that is not a readable safetensors file.
+
+    Notes
+    -----
+    All or nothing: every tensor is read and checked before the model is changed, so a bad
+    checkpoint raises and leaves ``model`` as it was.
 
     Examples
     --------
@@ -192,81 +200,123 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
     >>> fp8ref.load_fp8_dynamic(torch.nn.Sequential(torch.nn.Linear(32, 16)), p)
     ['0']
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    loaded: list[str] = []
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_fp8_dynamic expects an nn.Module, got {type(model).__name__}")
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))]
+    if any(not n for n, _ in layers):
+        raise ValueError("load_fp8_dynamic needs a model containing linear layers, not a lone layer")
+    new: dict[str, Fp8Linear] = {}
     consumed: set[str] = set()
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        _check_config(f.metadata(), path)
-        keys = set(f.keys())
-        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))]
-        for name, mod in layers:
-            p = f"{name}." if name else ""
-            wk, sk, ik, bk = p + "weight", p + "weight_scale", p + "input_scale", p + "bias"
-            w_is_fp8 = wk in keys and f.get_slice(wk).get_dtype() == "F8_E4M3"
-            if not w_is_fp8 and sk not in keys:
-                if isinstance(mod, Fp8Linear) and wk in keys:
-                    raise CheckpointError(f"{wk} is {f.get_slice(wk).get_dtype()}, expected F8_E4M3 for the "
-                                          f"quantized layer {name!r}")
-                continue
-            if wk not in keys:
-                raise CheckpointError(f"{sk} is present but the weight {wk} is missing")
-            w = f.get_tensor(wk)
-            if w.dtype != torch.float8_e4m3fn:
-                raise CheckpointError(f"{wk} has dtype {w.dtype} but {sk} is present: an FP8_DYNAMIC weight must "
-                                      "be F8_E4M3 (torch.float8_e4m3fn)")
-            N, K = mod.out_features, mod.in_features
-            if tuple(w.shape) != (N, K):
-                raise CheckpointError(f"{wk} has shape {tuple(w.shape)}, layer {name!r} needs [{N}, {K}]")
-            if sk not in keys:
-                raise CheckpointError(f"{wk} is F8_E4M3 but its scale {sk} is missing")
-            s = f.get_tensor(sk)
-            if s.dtype not in _SCALE_DTYPES:
-                raise CheckpointError(f"{sk} has dtype {s.dtype}; expected one of "
-                                      f"{[str(d) for d in _SCALE_DTYPES]}")
-            if tuple(s.shape) != (N, 1):
-                raise CheckpointError(f"{sk} has shape {tuple(s.shape)}, expected [{N}, 1] (one scale per "
-                                      "output channel)")
-            s = s.to(torch.float32)  # bf16 and fp16 values are exact in fp32
-            if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
-                bad = int((~torch.isfinite(s) | (s <= 0)).nonzero()[0, 0])
-                raise CheckpointError(f"{sk} row {bad} holds {float(s[bad, 0])}: scales must be finite and > 0")
-            if ik in keys:
-                raise CheckpointError(f"{ik} is present: static activation scales are not FP8_DYNAMIC "
-                                      "(fp8ref.linear quantizes activations per token, dynamically)")
-            bias = None
-            if mod.bias is not None:
-                if bk not in keys:
-                    if strict:
-                        raise CheckpointError(f"layer {name!r} has a bias but {bk} is missing")
-                    bias = mod.bias.detach()
-                else:
-                    bias = f.get_tensor(bk).to(mod.bias.dtype)
-                    consumed.add(bk)
-            elif bk in keys and strict:
-                raise CheckpointError(f"{bk} is in the checkpoint but layer {name!r} has no bias")
-            consumed.update((wk, sk))
-            device = mod.weight.device
-            recipe = mod.recipe if isinstance(mod, Fp8Linear) else FP8_DYNAMIC
-            _check_layout(name, recipe)
-            qw = Quantized(w.to(device), s.to(device), recipe.weight)
-            new = Fp8Linear.from_quantized(qw, None if bias is None else bias.to(device), recipe=recipe,
-                                           backend=mod.backend if isinstance(mod, Fp8Linear) else backend,
-                                           precision=mod.precision if isinstance(mod, Fp8Linear) else precision)
-            if name:
-                parent_name, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-            else:
-                raise ValueError("load_fp8_dynamic needs a model containing linear layers, not a lone layer")
-            loaded.append(name)
-        rest = {k: f.get_tensor(k) for k in keys - consumed}
-    result = model.load_state_dict(rest, strict=False)
-    if strict:
-        missing = [k for k in result.missing_keys if k not in consumed]
-        if missing or result.unexpected_keys:
-            raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing}, "
-                                  f"unexpected {list(result.unexpected_keys)}")
-    return loaded
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            _check_config(f.metadata(), path)
+            keys = set(f.keys())
+            for name, mod in layers:
+                layer = _read_layer(f, keys, name, mod, backend, precision, strict, consumed)
+                if layer is not None:
+                    new[name] = layer
+            rest = {k: f.get_tensor(k) for k in keys - consumed}
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    _check_rest(model, path, rest, set(new), consumed, strict)
+    # Every tensor checked: only now is the model changed (all or nothing).
+    for name, layer in new.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    model.load_state_dict(rest, strict=False)
+    return list(new)
+
+
+def _read_layer(f, keys: set[str], name: str, mod: nn.Module, backend: str, precision: str, strict: bool,
+                consumed: set[str]) -> Fp8Linear | None:
+    """The ``Fp8Linear`` for layer ``name`` from the open file ``f`` (None if the file holds no FP8
+    weight for it), every tensor checked; the keys it used are added to ``consumed``."""
+    p = f"{name}."
+    wk, sk, ik, bk = p + "weight", p + "weight_scale", p + "input_scale", p + "bias"
+    w_is_fp8 = wk in keys and f.get_slice(wk).get_dtype() == "F8_E4M3"
+    if not w_is_fp8 and sk not in keys:
+        if isinstance(mod, Fp8Linear) and wk in keys:
+            raise CheckpointError(f"{wk} is {f.get_slice(wk).get_dtype()}, expected F8_E4M3 for the "
+                                  f"quantized layer {name!r}")
+        return None
+    if wk not in keys:
+        raise CheckpointError(f"{sk} is present but the weight {wk} is missing")
+    w = f.get_tensor(wk)
+    if w.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{wk} has dtype {w.dtype} but {sk} is present: an FP8_DYNAMIC weight must "
+                              "be F8_E4M3 (torch.float8_e4m3fn)")
+    N, K = mod.out_features, mod.in_features
+    if tuple(w.shape) != (N, K):
+        raise CheckpointError(f"{wk} has shape {tuple(w.shape)}, layer {name!r} needs [{N}, {K}]")
+    if sk not in keys:
+        raise CheckpointError(f"{wk} is F8_E4M3 but its scale {sk} is missing")
+    s = f.get_tensor(sk)
+    if s.dtype not in _SCALE_DTYPES:
+        raise CheckpointError(f"{sk} has dtype {s.dtype}; expected one of "
+                              f"{[str(d) for d in _SCALE_DTYPES]}")
+    if tuple(s.shape) != (N, 1):
+        raise CheckpointError(f"{sk} has shape {tuple(s.shape)}, expected [{N}, 1] (one scale per "
+                              "output channel)")
+    s = s.to(torch.float32)  # bf16 and fp16 values are exact in fp32
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        bad = int((~torch.isfinite(s) | (s <= 0)).nonzero()[0, 0])
+        raise CheckpointError(f"{sk} row {bad} holds {float(s[bad, 0])}: scales must be finite and > 0")
+    if ik in keys:
+        raise CheckpointError(f"{ik} is present: static activation scales are not FP8_DYNAMIC "
+                              "(fp8ref.linear quantizes activations per token, dynamically)")
+    recipe = mod.recipe if isinstance(mod, Fp8Linear) else FP8_DYNAMIC
+    _check_layout(name, recipe)
+    qw = Quantized(w, s, recipe.weight)
+    try:
+        check_codes(qw, wk)  # NaN codes (0x7F, 0xFF) would serve NaN outputs
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    bias = None
+    if mod.bias is not None:
+        if bk not in keys:
+            if strict:
+                raise CheckpointError(f"layer {name!r} has a bias but {bk} is missing")
+            bias = mod.bias.detach()
+        else:
+            bias = f.get_tensor(bk)
+            if not bias.is_floating_point() or bias.element_size() == 1:
+                raise CheckpointError(f"{bk} has dtype {bias.dtype}; a bias must be fp32, bf16 or fp16")
+            if tuple(bias.shape) != (N,):
+                raise CheckpointError(f"{bk} has shape {tuple(bias.shape)}, layer {name!r} needs [{N}]")
+            try:
+                check_finite(bias, bk)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
+            bias = bias.to(mod.bias.dtype)
+            consumed.add(bk)
+    elif bk in keys and strict:
+        raise CheckpointError(f"{bk} is in the checkpoint but layer {name!r} has no bias")
+    consumed.update((wk, sk))
+    device = mod.weight.device
+    qw = Quantized(w.to(device), s.to(device), recipe.weight)
+    return Fp8Linear.from_quantized(qw, None if bias is None else bias.to(device), recipe=recipe,
+                                    backend=mod.backend if isinstance(mod, Fp8Linear) else backend,
+                                    precision=mod.precision if isinstance(mod, Fp8Linear) else precision)
+
+
+def _check_rest(model: nn.Module, path: Path, rest: dict[str, torch.Tensor], replaced: set[str],
+                consumed: set[str], strict: bool) -> None:
+    """What ``load_state_dict(rest)`` would refuse, found before the model is changed: a tensor of
+    another shape than the model's, and (``strict``) tensors missing from the file or unused."""
+    sd = model.state_dict()
+    for k, v in rest.items():
+        if k in sd and tuple(v.shape) != tuple(sd[k].shape):
+            raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, the model's is {tuple(sd[k].shape)}")
+    if not strict:
+        return
+    owned = tuple(f"{n}." for n in replaced)
+    missing = [k for k in sd if k not in rest and k not in consumed and not k.startswith(owned)]
+    unexpected = [k for k in rest if k not in sd]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing}, "
+                              f"unexpected {unexpected}")

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .api import linear, tensor_version
-from .spec.quant import Quantized, quantize
+from .api import check_codes, check_finite, linear, tensor_version
+from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
 __all__ = ["Fp8Linear", "QuantizeSummary", "quantize_model"]
@@ -89,6 +89,9 @@ class Fp8Linear(nn.Module):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
         recipe = get_recipe(recipe)
         w = linear.weight.detach()
+        check_float_input(w, "linear.weight")
+        if linear.bias is not None:
+            check_finite(linear.bias.detach(), "linear.bias")
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
                   backend=backend, precision=precision, out_dtype=out_dtype, device=w.device, dtype=w.dtype)
         with torch.no_grad():
@@ -103,12 +106,22 @@ class Fp8Linear(nn.Module):
     def from_quantized(cls, qw: Quantized, bias: torch.Tensor | None = None, *, recipe: Recipe | str = W8A8_FP8,
                        backend: str = "auto", precision: str = "standard",
                        out_dtype: torch.dtype | None = None) -> Fp8Linear:
-        """Wrap an already quantized weight (e.g. read from a checkpoint)."""
+        """Wrap an already quantized weight (e.g. read from a checkpoint); its codes must be finite
+        and its scales finite and > 0, a bias ``[N]`` float and finite (``ValueError`` otherwise)."""
         recipe = get_recipe(recipe)
+        if not isinstance(qw, Quantized):
+            raise TypeError(f"qw must be an fp8ref.Quantized, got {type(qw).__name__}")
         if qw.scheme != recipe.weight:
             raise ValueError(f"weight quantized as {qw.scheme.short_str()}, recipe {recipe.name} expects "
                              f"{recipe.weight.short_str()}")
+        check_codes(qw, "qw")
         N, K = qw.data.shape
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (N,):
+                raise ValueError(f"bias must be a float tensor of shape ({N},) = [N], got "
+                                 f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}"
+                                 f"{'' if not isinstance(bias, torch.Tensor) else ' ' + str(bias.dtype)}")
+            check_finite(bias, "bias")
         dtype = bias.dtype if bias is not None else torch.float32
         mod = cls(K, N, bias is not None, recipe=recipe, backend=backend, precision=precision,
                   out_dtype=out_dtype, device=qw.data.device, dtype=dtype)
@@ -179,6 +192,10 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
                    backend: str = "auto", precision: str = "standard") -> QuantizeSummary:
     """Swap every ``nn.Linear`` of ``model`` for an ``Fp8Linear``, in place (weights quantized once).
 
+    All or nothing: every layer is quantized first, and the model is changed only when all of
+    them are; a layer that cannot be quantized (a NaN/Inf weight or bias, a weight of another
+    dtype) raises, naming it, and leaves the model as it was.
+
     Parameters
     ----------
     model : nn.Module
@@ -194,6 +211,11 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
     -------
     QuantizeSummary
         Layers replaced, weights quantized, bytes before and after, names.
+
+    Raises
+    ------
+    ValueError, TypeError
+        ``quantize_model: layer 'name' ...``: the first layer that cannot be quantized, and why.
 
     Examples
     --------
@@ -213,6 +235,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
     summary = QuantizeSummary(0, 0, before, before)
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear or
                (isinstance(mod, nn.Linear) and not isinstance(mod, Fp8Linear))]
+    new: dict[str, Fp8Linear] = {}
     for name, mod in targets:
         if not name:
             raise ValueError("quantize_model needs a model that contains nn.Linear layers; for a lone "
@@ -220,10 +243,19 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
         if _skipped(name, skip):
             summary.skipped.append(name)
             continue
-        new = Fp8Linear.from_linear(mod, recipe=recipe, backend=backend, precision=precision)
+        try:
+            new[name] = Fp8Linear.from_linear(mod, recipe=recipe, backend=backend, precision=precision)
+        except (TypeError, ValueError) as exc:
+            kind = TypeError if isinstance(exc, TypeError) else ValueError
+            raise kind(f"quantize_model: layer {name!r} cannot be quantized ({exc}); the model is left "
+                       "unchanged") from exc
+    # Every layer quantized: only now is the model changed (setattr on a module does not fail).
+    for name, mod in targets:
+        if name not in new:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
+        setattr(parent, child, new[name])
         summary.layers += 1
         summary.parameters += mod.weight.numel()
         summary.quantized.append(name)

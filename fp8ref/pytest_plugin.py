@@ -4,7 +4,7 @@ Options
 -------
 ``--fp8ref-backend NAME``  certify this backend (repeatable; default: every registered backend,
                            unavailable ones reported as skipped with their reason).
-``--fp8ref-profile P``     dev, ci or thorough (default: ``$FP8REF_HYPOTHESIS_PROFILE``, else dev).
+``--fp8ref-profile P``     dev, ci or thorough (default: ``$FP8REF_HYPOTHESIS_PROFILE``, else ci).
 ``--fp8ref-seed S``        Hypothesis seed (default: the profile's fixed seed for ``ci``, which is
                            derandomized; else one random seed per session, printed in the
                            header and in every failure with the command that reproduces it).
@@ -38,6 +38,7 @@ from __future__ import annotations
 import pytest
 
 _SESSION_SEED = "_fp8ref_session_seed"
+_CERTIFIED = "_fp8ref_contracts_run"
 
 
 def _add(group, *args, **kwargs) -> None:
@@ -52,8 +53,10 @@ def pytest_addoption(parser):
     _add(group, "--fp8ref-backend", action="append", default=None,
          help="certify this backend (repeatable); default: every registered backend")
     _add(group, "--fp8ref-profile", default=None, choices=("dev", "ci", "thorough"),
-         help="conformance profile (default: $FP8REF_HYPOTHESIS_PROFILE, else dev)")
-    _add(group, "--fp8ref-seed", type=int, default=None, help="Hypothesis seed for the conformance contracts")
+         help="conformance profile: ci (derandomized, finds the bugs), dev (quick), thorough (nightly); "
+              "default: $FP8REF_HYPOTHESIS_PROFILE, else ci")
+    _add(group, "--fp8ref-seed", type=int, default=None,
+         help="Hypothesis seed for the conformance contracts (default: the profile's; ci: fixed at 0)")
 
 
 def pytest_configure(config):
@@ -95,6 +98,16 @@ def pytest_report_header(config):
     how = "fixed (derandomized profile)" if prof.derandomize else "random this session"
     return (f"fp8ref: conformance profile {prof.name}, seed {session_seed(config)} ({how}; "
             f"--fp8ref-seed {session_seed(config)} reproduces)")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line naming the profile and seed the session's contracts ran under (also under -q,
+    where the header is not shown)."""
+    n = getattr(config, _CERTIFIED, 0)
+    if n:
+        prof, seed = selected_profile(config), session_seed(config)
+        terminalreporter.write_line(f"fp8ref: {n} contract run(s) under the {prof} profile, seed {seed} "
+                                    f"(--fp8ref-seed {seed} reproduces; --fp8ref-profile dev for a quick run)")
 
 
 def selected_backend_names(config) -> list[str]:
@@ -147,11 +160,13 @@ def fp8ref_certify(request):
         results = []
         for c in CONTRACTS if contract is None else (get_contract(contract),):
             r = check_contract(b, c, profile, seed)
+            setattr(request.config, _CERTIFIED, getattr(request.config, _CERTIFIED, 0) + 1)
             request.node.user_properties.append((f"{b.name}:{r.contract}", r.status))
             results.append(r)
         failed = [r for r in results if r.failed]
         if failed:
-            msg = "\n".join(f"{r.contract} on {b.name} ({r.status}): {r.message}\n  minimal counterexample: "
+            msg = "\n".join(f"{r.contract} on {b.name} ({r.status}, {profile} profile, seed {seed}): {r.message}"
+                            "\n  minimal counterexample: "
                             f"{r.counterexample}\n  reproduce: {r.reproduce}" for r in failed)
             pytest.fail(msg, pytrace=False)
         if all(r.status == "n/a" for r in results):

@@ -85,12 +85,19 @@ class Backend:
         The ops the backend implements and asks to be certified for (``OPS``); a quantizer-only
         backend declares ``("quantize",)``, a GEMM that takes the reference's codes
         ``("scaled_mm",)``. ``linear`` needs both (the default hook composes them).
+    rejects_non_finite : bool
+        True when ``quantize`` and ``linear`` raise ``ValueError`` for NaN/Inf in ``x``, and
+        ``scaled_mm`` and ``linear`` for NaN/Inf in ``bias``, as the spec does. ``fp8ref.linear``
+        then leaves those scans to the backend after a case's first call (they cost a pass over
+        ``x`` per call); otherwise it scans before every call. The selector's probe checks the
+        claim. Default False.
     """
 
     name: str = ""
     accumulation: Accumulation = Accumulation.FP32
     output_roundings: int = 1
     ops: tuple[str, ...] = OPS
+    rejects_non_finite: bool = False
 
     @property
     def precision(self) -> PrecisionClass:

@@ -41,7 +41,7 @@ DOC_PENDING = {
 #: The areas of fp8ref from the bottom up: at module level an area imports only from itself and
 #: from areas of a lower rank. ``fp8ref`` is the face (``fp8ref/__init__.py``) alone.
 LAYERS = [
-    ("fp8ref.spec", "fp8ref._machine", "fp8ref._io"),
+    ("fp8ref.spec", "fp8ref._machine", "fp8ref._io", "fp8ref._progress"),
     ("fp8ref.registry",),
     ("fp8ref.kernels",),
     ("fp8ref.select",),

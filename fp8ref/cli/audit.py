@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="smollm2, minilm, a transformers folder, or a .safetensors file "
                                                    "/ index (weights-only audit when no config.json is beside it)")
     p.add_argument("--text", default="hamlet", help="gsm8k, hamlet or a text file (default hamlet)")
-    p.add_argument("--recipe", default="w8a8_fp8", choices=sorted(RECIPES))
+    p.add_argument("--recipe", default="w8a8_fp8", choices=sorted(RECIPES), help="quantization recipe")
     p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
                    help="backend to audit, repeatable (default: reference and auto)")
     p.add_argument("--skip", action="append", metavar="PATTERN",

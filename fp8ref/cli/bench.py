@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .._io import unwritable_reason, write_text
 from ..bench import SECTIONS
 
 
@@ -55,7 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="one shape (K=N=4096), M in {1,16}, small tensors: well under a minute on a CPU")
     p.add_argument("--json", metavar="FILE", type=Path, help="also write every figure to FILE as JSON")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device the backends run on")
     p.add_argument("--backend", action="append", metavar="NAME",
                    help="only this backend (repeatable); default: every backend available on the device")
     p.add_argument("--shape", action="append", type=_shape, metavar="KxN",
@@ -99,6 +100,10 @@ def _command_line(args: argparse.Namespace) -> str:
 def _bench(args: argparse.Namespace) -> int:
     from .. import bench
 
+    reason = args.json and unwritable_reason(args.json)
+    if reason:
+        print(f"fp8ref bench: --json: {reason}", file=sys.stderr)
+        return 2
     if args.threads:
         import torch
 
@@ -113,7 +118,6 @@ def _bench(args: argparse.Namespace) -> int:
     res["meta"]["command"] = _command_line(args)
     print(bench.format_report(res))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
+        write_text(args.json, json.dumps(res, indent=1))
         print(f"\nwrote {args.json}")
     return 0

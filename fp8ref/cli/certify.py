@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 
+from .._io import unwritable_reason, write_text
+
 DEFAULT_OUTPUT = os.path.join("docs", "certified.md")
 
 
@@ -147,6 +149,12 @@ def _run(args: argparse.Namespace) -> int:
         if c not in CONTRACT_NAMES:
             print(f"fp8ref certify: no contract {c!r}; contracts: {list(CONTRACT_NAMES)}", file=sys.stderr)
             return 2
+    output = args.output or (DEFAULT_OUTPUT if not args.peer and not args.only and not args.check else None)
+    for opt, path in (("--json", args.json), ("--output", output)):
+        reason = path and unwritable_reason(path)
+        if reason:
+            print(f"fp8ref certify: {opt}: {reason}", file=sys.stderr)
+            return 2
     from tqdm import tqdm
 
     from ..peers.matrix import compare, recorded_verdicts, render
@@ -165,9 +173,7 @@ def _run(args: argparse.Namespace) -> int:
             certs.append(cert)
             print(f"{peer.name}: {_summary(cert)}", file=sys.stderr, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([c.to_dict() for c in certs], f, indent=2, default=str)
-    output = args.output or (DEFAULT_OUTPUT if not args.peer and not args.only and not args.check else None)
+        write_text(args.json, json.dumps([c.to_dict() for c in certs], indent=2, default=str))
     if output:
         _write_matrix(output, render(certs, _header(args)))
     if args.check:

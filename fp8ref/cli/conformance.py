@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+from .._io import unwritable_reason, write_text
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("conformance", help="certify FP8 backends against the spec's contracts (property-based)")
@@ -26,8 +28,10 @@ def add_parser(sub) -> None:
     who.add_argument("--all", action="store_true", help="every registered backend (the default)")
     who.add_argument("--merge", nargs="+", metavar="JSON", help="merge JSON reports of earlier runs into one table")
     p.add_argument("--profile", choices=("dev", "ci", "thorough"), default=None,
-                   help="search budget (default: $FP8REF_HYPOTHESIS_PROFILE, else dev)")
-    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, printed)")
+                   help="search budget: ci (derandomized, finds the bugs), dev (quick), thorough (nightly); "
+                        "default: $FP8REF_HYPOTHESIS_PROFILE, else ci")
+    p.add_argument("--seed", type=int, default=None,
+                   help="Hypothesis seed (default: the profile's: fixed at 0 for ci, random and printed otherwise)")
     p.add_argument("--only", action="append", metavar="CONTRACT", help="run only this contract (repeatable)")
     p.add_argument("--known-failures", metavar="PY",
                    help="ledger of known upstream failures (default: properties/known_failures.py if present)")
@@ -73,6 +77,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.list:
         print(_contract_table())
         return 0
+    for opt, path in (("--json", args.json), ("--markdown", args.markdown)):
+        reason = path and unwritable_reason(path)
+        if reason:
+            print(f"fp8ref conformance: {opt}: {reason}", file=sys.stderr)
+            return 2
     if args.merge:
         reports = [r for path in args.merge for r in load_report(path)]
         table = merge_reports(reports)
@@ -101,8 +110,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _write(args: argparse.Namespace, reports, markdown: str) -> None:
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in reports], f, indent=2, default=str)
+        write_text(args.json, json.dumps([r.to_dict() for r in reports], indent=2, default=str))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown)
+        write_text(args.markdown, markdown)

@@ -16,9 +16,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_formats)
     p = sub.add_parser("demo", help="the main job on a built-in default: backends, and the reference "
                                     "linear against its derived bound for every recipe")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the demo's data and of the conformance search")
     p.add_argument("--profile", default="dev", choices=("dev", "ci", "thorough"),
-                   help="conformance profile for the backends (default: dev, seconds per backend)")
+                   help="conformance profile for the backends (default: dev, seconds per backend; "
+                        "certify a kernel with ci, the default of fp8ref conformance)")
     p.add_argument("--no-conformance", action="store_true", help="skip certifying the backends")
     p.set_defaults(func=_demo)
 
@@ -56,6 +57,17 @@ def demo_linear(seed: int = 0, M: int = 16, N: int = 256, K: int = 512) -> list[
     return rows
 
 
+#: One line per column of the demo's conformance table.
+_DEMO_COLUMNS = """\
+  class      the precision class the backend's declaration puts it in: exact < strict (fp32
+             accumulation, one output rounding) < standard (fp32, two roundings) < fast (any other)
+  quantize, scaled_mm, linear
+             worst |error| / derived bound seen by the contracts quantize.codes, scaled_mm.bound and
+             linear.bound: <= 1 passes (quantize reads 1: its bound, half an FP8 step, is attained)
+  acc. bits  significand bits the accumulator keeps, as the accumulator probe reads them (fp32: 24)
+  time       seconds the certification of that backend took"""
+
+
 def _ratio_of(report, contract: str) -> str:
     try:
         r = report.result(contract).worst_ratio
@@ -79,8 +91,9 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"  {b.name:16} [{b.precision:8}] {'available' if b.available else 'unavailable: ' + str(b.reason)}")
     else:
         print(f"conformance of every backend on this machine (profile {args.profile}, seed {args.seed}):")
+        print(_DEMO_COLUMNS)
         print(f"  {'backend':16} {'class':9} {'result':8} {'quantize':>9} {'scaled_mm':>9} {'linear':>7} "
-              f"{'acc. bits':>9} {'time':>7}   (worst error/bound per bounded contract)")
+              f"{'acc. bits':>9} {'time':>7}")
         for b in infos:
             if not b.available:
                 print(f"  {b.name:16} {b.precision:9} {'skipped':8} unavailable: {b.reason}")
@@ -92,7 +105,8 @@ def _demo(args: argparse.Namespace) -> int:
             verdict = "PASS" if rep.passed else "FAIL: " + ", ".join(r.contract for r in rep.failures)
             print(f"  {b.name:16} {b.precision:9} {verdict:8} {ratios[0]:>9} {ratios[1]:>9} {ratios[2]:>7} "
                   f"{bits:>9} {rep.seconds:6.1f}s")
-    print("\nreference linear, bf16 [16 x 512] x [256 x 512]^T with outlier channels, vs the float64 linear:")
+    print("\nreference linear, bf16 [16 x 512] x [256 x 512]^T with outlier channels, vs the float64 linear")
+    print("  (max err/bound: the largest |error| / derived bound over the outputs; <= 1 means within the bound):")
     print(f"  {'recipe':16} {'rel. L2 error':>14} {'max err/bound':>14}")
     for row in demo_linear(args.seed):
         ok &= row["max_err_over_bound"] <= 1.0

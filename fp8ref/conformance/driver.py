@@ -20,6 +20,7 @@ from hypothesis import example, given, reject
 from hypothesis import seed as hseed
 from hypothesis.errors import HypothesisException, Unsatisfiable
 
+from .._progress import progress
 from ..registry import Backend, get_backend
 from .contracts import CONTRACTS, Contract, Declined, get_contract
 from .probe import PROBE_MAX_BITS, accumulator_bits
@@ -373,13 +374,17 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
         return rep
     t0 = time.perf_counter()
     selected = CONTRACTS if contracts is None else tuple(get_contract(c) for c in contracts)
-    for c in selected:
-        r = check_contract(backend, c, prof, seed, max_examples, pinned)
-        rep.results.append(r)
-        if c.name == "scaled_mm.batch_invariant":
-            rep.batch_invariant = r.status if r.status in (YES, NO) else None
-        if fail_fast and r.failed:
-            break
+    with progress(total=len(selected), desc=f"certifying {backend.name} ({prof.name} profile)",
+                  unit="contract") as bar:
+        for c in selected:
+            bar.set_postfix_str(c.name)
+            r = check_contract(backend, c, prof, seed, max_examples, pinned)
+            bar.update(1)
+            rep.results.append(r)
+            if c.name == "scaled_mm.batch_invariant":
+                rep.batch_invariant = r.status if r.status in (YES, NO) else None
+            if fail_fast and r.failed:
+                break
     if any(r.contract == "scaled_mm.accumulator_bits" for r in rep.results):
         try:
             rep.accumulator_bits = accumulator_bits(backend)

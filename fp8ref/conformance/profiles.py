@@ -1,7 +1,7 @@
 """Conformance profiles: how hard the suite searches (examples per contract, largest shapes).
 
-Three profiles, chosen with the environment variable ``FP8REF_HYPOTHESIS_PROFILE`` (tox sets
-``ci``) or explicitly (``check(backend, profile="thorough")``):
+Three profiles, chosen with the environment variable ``FP8REF_HYPOTHESIS_PROFILE`` or explicitly
+(``check(backend, profile="thorough")``); the default everywhere is ``ci``:
 
 ========  ========  ========  =====  ==========  ===========  =====================================
 profile   examples  max M, N  max K  max elems   budget/contr  use
@@ -98,8 +98,10 @@ _SUPPRESS = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data
 
 
 def default_profile_name() -> str:
-    """``$FP8REF_HYPOTHESIS_PROFILE`` if set, else ``dev``."""
-    name = os.environ.get(ENV_VAR, "dev")
+    """``$FP8REF_HYPOTHESIS_PROFILE`` if set, else ``ci``: the profile that finds the bugs, and the
+    one default of ``check()``, the pytest fixture, ``pytest properties`` and the CLI (``dev`` is
+    the quick one for editing a kernel)."""
+    name = os.environ.get(ENV_VAR) or "ci"
     if name not in PROFILES:
         raise ValueError(f"{ENV_VAR}={name!r} is not a profile; choose one of {sorted(PROFILES)}")
     return name

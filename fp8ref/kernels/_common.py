@@ -13,13 +13,15 @@ from typing import Any
 import torch
 
 from ..spec import quant
+from ..spec.formats import get_format
 from ..spec.gemm import check_operands
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
 __all__ = ["PreparedWeight", "fast_quantize", "native_quant", "native_rows", "native_format_args", "segment_scale",
-           "check_mm_args", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32"]
+           "check_finite", "check_mm_args", "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32",
+           "BIAS_NON_FINITE", "check_codes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,10 +47,56 @@ def unwrap(b: Quantized, backend: str) -> tuple[Quantized, dict[str, Any]]:
     return b, {}
 
 
+def check_finite(t: torch.Tensor, what: str, consequence: str = "") -> None:
+    """Raise ``ValueError`` naming ``what``, the count and the first NaN/Inf of ``t``, if it has one.
+
+    One reduction when ``t`` is finite (its sum, which is finite unless ``t`` holds NaN/Inf or the
+    sum overflows; only then is ``t`` scanned elementwise). ``fp8ref.linear``, the checkpoint
+    loader and the backends' ``check_mm_args`` share it, so every entry point words it alike.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fp8ref.kernels._common import check_finite
+    >>> check_finite(torch.tensor([1.0, float("inf"), 3.0]), "bias")
+    Traceback (most recent call last):
+    ...
+    ValueError: bias contains 1 non-finite value(s) (first: inf at index (1,))
+    """
+    if t.numel() == 0:
+        return
+    # math.isfinite of the Python float: torch.isfinite on a 0-d tensor costs several times more.
+    if math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()):
+        return
+    bad = ~torch.isfinite(t)
+    n = int(bad.sum())
+    if n:
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{what} contains {n} non-finite value(s) (first: {t[idx].item()} at index {idx})"
+                         + (f"; {consequence}" if consequence else ""))
+
+
+#: What a non-finite bias does (the tail of its error message).
+BIAS_NON_FINITE = "those output columns would be NaN/Inf"
+
+
 def check_mm_args(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
-    """The argument checks of the reference ``scaled_mm`` (same exceptions, same messages), without
-    the bias's NaN/Inf scan on the hot path."""
+    """The argument checks of the reference ``scaled_mm`` (same exceptions), the bias's NaN/Inf scan
+    included: the spec raises there, and a kernel would return NaN columns (N elements, a
+    negligible cost next to the GEMM)."""
     check_operands(a, b, bias, out_dtype, finite_bias=False)
+    if bias is not None:
+        check_finite(bias, "bias", BIAS_NON_FINITE)
+
+
+def empty_result(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The reference's result when there is nothing to compute (M = 0 or N = 0: an empty
+    ``[M, N]`` tensor), else None. Call it after ``check_mm_args``, before any kernel: a kernel
+    launched on an empty operand may divide by zero or concatenate an empty list."""
+    M, N = a.data.shape[0], b.data.shape[0]
+    if M and N:
+        return None
+    return torch.empty(M, N, dtype=out_dtype, device=a.data.device)
 
 
 def bias_fp32(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -209,3 +257,23 @@ def segment_scale(q: Quantized, k0: int, dtype: torch.dtype = torch.float32) -> 
     col = q.scale[:, k0 // c].to(dtype)
     return col if r == 1 else col.repeat_interleave(r)[:rows]
 
+
+def check_codes(q: Quantized, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` if the FP8 codes of ``q`` hold NaN/Inf or its scales are
+    not finite and > 0 (a checkpoint or a foreign quantizer can produce either; every backend
+    would turn them into NaN outputs)."""
+    fmt = get_format(q.data.dtype)
+    values = fmt.code_values()
+    bad_codes = torch.nonzero(~torch.isfinite(values)).flatten().to(torch.uint8).to(q.data.device)
+    if bad_codes.numel():
+        bad = torch.isin(q.data.view(torch.uint8), bad_codes)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            code = int(q.data.view(torch.uint8)[idx])
+            raise ValueError(f"{what} holds {int(bad.sum())} {fmt.name} code(s) that decode to NaN/Inf (first: "
+                             f"0x{code:02x} at index {idx}); a quantized weight must hold finite values")
+    s = q.scale
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        idx = tuple(int(i) for i in (~torch.isfinite(s) | (s <= 0)).nonzero()[0])
+        raise ValueError(f"{what} has scale {s[idx].item()} at index {idx}: dequantization scales must be finite "
+                         "and > 0")

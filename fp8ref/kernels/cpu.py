@@ -48,7 +48,16 @@ from ..spec.gemm import k_segments
 from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
-from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, native_rows, segment_scale, unwrap
+from ._common import (
+    PreparedWeight,
+    bias_fp32,
+    check_mm_args,
+    empty_result,
+    fast_quantize,
+    native_rows,
+    segment_scale,
+    unwrap,
+)
 
 __all__ = ["CpuWideBackend", "compile_enabled"]
 
@@ -190,6 +199,7 @@ class CpuWideBackend(Backend):
         self.wide = wide
         self.accumulation = Accumulation.FP32
         self.output_roundings = 2 if wide == torch.bfloat16 else 1
+        self.rejects_non_finite = True  # x: the quantizers' amax checks; bias: check_mm_args
         self._compile = compile
         #: fp32 GEMMs through oneDNN's bf16 dot products (see the module docstring); cpu-fp32 only
         self.bf16_dot_products = os.environ.get("FP8REF_CPU_BF16_DOT", "0") == "1"
@@ -262,6 +272,9 @@ class CpuWideBackend(Backend):
             raise ValueError(reason)
         if a.data.device.type != "cpu":
             raise ValueError(f"{self.name} runs on CPU tensors only, got {a.data.device}")
+        empty = empty_result(a, b, out_dtype)
+        if empty is not None:
+            return empty
         w = extra.get("wide")
         if w is None:
             w = b.data.to(self.wide)
@@ -312,7 +325,7 @@ class CpuWideBackend(Backend):
         b, extra = unwrap(w, self.name)
         one_k_block = b.scheme.block_shape(*b.data.shape)[1] >= b.data.shape[1]
         if not (scale is None and self._fusable(x, scheme) and one_k_block and isinstance(b, Quantized)
-                and x.shape[1] == b.data.shape[1]):
+                and x.shape[1] == b.data.shape[1] and b.data.shape[0] > 0):
             return self.scaled_mm(self.quantize(x, scheme, scale), w, bias, out_dtype)
         reason = self._out_reason(out_dtype)
         if reason:

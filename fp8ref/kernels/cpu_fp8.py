@@ -47,7 +47,7 @@ from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
-from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, unwrap
+from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fast_quantize, unwrap
 
 __all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "main", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
            "PACKED_ROWS", "PATH_FLAGS"]
@@ -140,6 +140,7 @@ class CpuFp8Backend(Backend):
     name = "cpu-fp8"
     accumulation = Accumulation.FP32
     output_roundings = 1
+    rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
     #: use vdpbf16ps where the CPU has avx512_bf16 (else the fp16-decode + fp32 FMA paths)
     bf16_dot = True
     #: force one unpacked path (``"avx512"``, ``"avx2"``, ``"scalar"``; tests); None: the best one
@@ -209,6 +210,9 @@ class CpuFp8Backend(Backend):
                 raise ValueError(reason)
         if a.data.device.type != "cpu":
             raise ValueError(f"{self.name} runs on CPU tensors only, got {a.data.device}")
+        empty = empty_result(a, b, out_dtype)
+        if empty is not None:
+            return empty
         codes = extra.get("codes")
         if codes is None:
             if _nan_codes(b.data):

@@ -13,6 +13,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     accumulation = Accumulation.EXACT
     output_roundings = 1
+    rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
 
     def quantize(self, x, scheme, scale=None):
         return quant.quantize(x, scheme, scale)

@@ -45,7 +45,7 @@ from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import bias_fp32, check_mm_args, fast_quantize, pad_last, pad_weight, unwrap
+from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, pad_last, pad_weight, unwrap
 
 __all__ = ["SglKernelBackend", "SglBlockwiseBackend", "scaled_mm_args", "blockwise_mm_args",
            "per_token_quant_buffers", "group_quant_buffers", "BLOCKWISE_ACCUMULATION"]
@@ -256,6 +256,9 @@ class SglKernelBackend(_SglBase):
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         b, _ = unwrap(b, self.name)
         kwargs, late, N = scaled_mm_args(a, b, bias, out_dtype)
+        empty = empty_result(a, b, out_dtype)
+        if empty is not None:
+            return empty
         y = _sgl().fp8_scaled_mm(**kwargs)[:, :N]
         return y if late is None else (y.float() + late).to(out_dtype)
 
@@ -274,7 +277,11 @@ class SglBlockwiseBackend(_SglBase):
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         b, _ = unwrap(b, self.name)
         check_mm_args(a, b, bias, out_dtype)
-        y = _sgl().fp8_blockwise_scaled_mm(**blockwise_mm_args(a, b, out_dtype))
+        kwargs = blockwise_mm_args(a, b, out_dtype)
+        empty = empty_result(a, b, out_dtype)
+        if empty is not None:
+            return empty
+        y = _sgl().fp8_blockwise_scaled_mm(**kwargs)
         return y if bias is None else (y.float() + bias_fp32(bias, y.device)).to(out_dtype)
 
 

@@ -36,7 +36,17 @@ from ..registry import Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import PreparedWeight, bias_fp32, check_mm_args, fast_quantize, pad_last, pad_weight, unwrap, zeros
+from ._common import (
+    PreparedWeight,
+    bias_fp32,
+    check_mm_args,
+    empty_result,
+    fast_quantize,
+    pad_last,
+    pad_weight,
+    unwrap,
+    zeros,
+)
 
 __all__ = ["TorchScaledMMBackend"]
 
@@ -77,6 +87,7 @@ class TorchScaledMMBackend(Backend):
         self.fast_accum = fast_accum
         self.accumulation = Accumulation.FAST if fast_accum else Accumulation.FP32
         self.output_roundings = 1
+        self.rejects_non_finite = True  # x: fast_quantize's amax check; bias: check_mm_args
         #: pad K and N to 16 on CPU too (CUDA always pads): lets CPU tests run the padding path
         self.force_pad = False
 
@@ -166,6 +177,9 @@ class TorchScaledMMBackend(Backend):
                             bias is not None)
         if reason:
             raise ValueError(f"backend {self.name!r}: {reason}")
+        empty = empty_result(a, b, out_dtype)
+        if empty is not None:
+            return empty
         return self._call(a, b, bias, out_dtype, extra.get("b_op"))
 
     def _call(self, a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype,

@@ -39,7 +39,7 @@ from ..spec.formats import E4M3FN
 from ..spec.gemm import OUT_DTYPES
 from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import bias_fp32, check_mm_args, fast_quantize, unwrap
+from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, unwrap
 
 __all__ = ["TritonBackend", "triton_quantize", "triton_scaled_mm", "interpreting", "CUDA_ACCUMULATION",
            "rne_e4m3_reference"]
@@ -204,12 +204,13 @@ def triton_scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     seg, reason = _segment_width(a, b)
     if reason:
         raise ValueError(reason)
+    empty = empty_result(a, b, out_dtype)
+    if empty is not None:
+        return empty
     k = _kernels()
     M, K = a.data.shape
     N = b.data.shape[0]
     out = torch.full((M, N), float("nan"), dtype=torch.float32, device=a.data.device)
-    if M == 0 or N == 0:
-        return out.to(out_dtype)
     ad = a.data if a.data.stride(1) == 1 else a.data.contiguous()
     bd = b.data if b.data.stride(1) == 1 else b.data.contiguous()
     sa, sa_sm, sa_sk, _ = _scale_strides(a)
@@ -243,6 +244,7 @@ class TritonBackend(Backend):
 
     name = "triton"
     output_roundings = 1
+    rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
 
     @property
     def conformance_max_elems(self) -> int | None:

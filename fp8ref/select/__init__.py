@@ -36,13 +36,15 @@ from .cache import CACHE_SCHEMA, ENV_CACHE_DIR, cache_file, clear_cache, generat
 from .compliance import probe
 from .decision import BackendUnavailableError, Decision, NoCompliantBackendError, ProbeResult, Row
 from .keys import device_name, m_bucket, selection_key
-from .selector import DEFAULT_PRECISION, ENV_BACKEND, ENV_CANDIDATES, resolve, select
+from .selector import DEFAULT_PRECISION, ENV_BACKEND, ENV_CANDIDATES, X_DTYPES, check_case, resolve, select
 
 __all__ = [
     "DEFAULT_PRECISION",
     "ENV_BACKEND",
     "ENV_CANDIDATES",
     "ENV_CACHE_DIR",
+    "X_DTYPES",
+    "check_case",
     "CACHE_SCHEMA",
     "Decision",
     "ProbeResult",

@@ -2,10 +2,12 @@
 run-time failure marks.
 
 Lookup order (``selector.select``): memory -> disk -> probe and time. The file is
-``$FP8REF_CACHE_DIR/select-v1.json`` (default ``~/.cache/fp8ref``); a corrupt, unreadable or stale
-one (other schema or fp8ref version) is ignored with a warning and rebuilt, and a cache that cannot
-be written costs a warning, never an inference. ``generation()`` changes whenever a kept decision
-may have changed, which invalidates ``fp8ref.linear``'s per-weight dispatch tables.
+``$FP8REF_CACHE_DIR/select-v1.json`` (default ``~/.cache/fp8ref``); a corrupt (not UTF-8 JSON),
+unreadable or stale one (other schema or fp8ref version) is ignored with a warning and rebuilt, and a
+cache that cannot be written costs a warning, never an inference. The selector re-checks what it
+reads (``selector._stale_reason``): the file is a cache, not a trusted input. ``generation()``
+changes whenever a kept decision may have changed, which invalidates ``fp8ref.linear``'s
+per-weight dispatch tables.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def bump_generation() -> None:
 
 def read_disk(path: Path, *, warn: bool) -> dict[str, Any] | None:
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -87,7 +89,7 @@ def read_disk(path: Path, *, warn: bool) -> dict[str, Any] | None:
             warnings.warn(f"fp8ref: cannot read selection cache {path}: {exc}", stacklevel=4)
         return None
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError: a corrupt file too
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             raise ValueError("no 'entries' object")
     except ValueError as exc:
@@ -146,7 +148,7 @@ def lookup_disk(key: str) -> Decision | None:
         return None
     try:
         return Decision.from_json(key, data["entries"][key])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         warnings.warn(f"fp8ref: ignoring malformed cache entry ({exc!r}); it will be rebuilt", stacklevel=3)
         return None
 

@@ -145,6 +145,23 @@ def _same_output(y_lin: Any, y: Any, rows: tuple[int, int]) -> tuple[float, str]
                       f"{y_lin.dtype} vs {tuple(y.shape)} {y.dtype}")
 
 
+def _refuses_non_finite(backend: Backend, x: torch.Tensor, prepared: Any, N: int, bias: torch.Tensor | None,
+                        od: torch.dtype, act: QuantScheme) -> tuple[float, str]:
+    """A backend declaring ``rejects_non_finite`` must raise ``ValueError`` for NaN in x and in the
+    bias, as the spec does (``fp8ref.linear`` then skips its own scans): inf and why if it does not."""
+    bad_x = x.clone()
+    bad_x[0, 0] = float("nan")
+    bad_bias = torch.zeros(N, dtype=x.dtype, device=x.device) if bias is None else bias.clone()
+    bad_bias[0] = float("nan")
+    for what, args in (("x", (bad_x, prepared, bias, od, act)), ("bias", (x, prepared, bad_bias, od, act))):
+        try:
+            backend.linear(*args)
+        except ValueError:
+            continue
+        return math.inf, f"declares rejects_non_finite, but linear() with NaN in {what} did not raise ValueError"
+    return 0.0, ""
+
+
 def _cat(qs: list[Quantized]) -> Quantized:
     return Quantized(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]), qs[0].scheme)
 
@@ -167,7 +184,9 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
        quantized weight, against the reference's scaled_mm of the same operands, within
        ``gemm_error_bound`` for the backend's declared accumulation and output roundings;
     3. ``backend.linear`` (the fused hook ``fp8ref.linear`` runs) returns the same bits as the
-       two calls of 1 and 2.
+       two calls of 1 and 2;
+    4. a backend that declares ``rejects_non_finite`` raises ``ValueError`` for NaN in x and in
+       the bias.
 
     Inputs: 16 activation rows (outlier channels, an all-zero row, rounding ties, huge dynamic
     range, a constant row, a single non-zero, +-qmax, random), fed in chunks of
@@ -221,6 +240,8 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
         backend.linear(xc_d, prepared, bias_d, od, act)
         timing.sync(dev)
         warm_t = timing.clock() - t0
+        if backend.rejects_non_finite:
+            note("quantize", _refuses_non_finite(backend, xc_d, prepared, ps.n_probe, bias_d, od, act))
         if not math.isinf(worst["quantize"]):
             bad = next((y for y in ys if not isinstance(y, torch.Tensor) or y.dim() != 2), None)
             if bad is not None:

@@ -4,6 +4,7 @@ table of ``Row``s behind it), a ``ProbeResult``, and the two errors it raises.""
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -87,8 +88,11 @@ class Decision:
             ratio = "/".join(f"{r.ratios.get(k, math.nan):.2g}" for k in ("quantize", "scaled_mm")) \
                 if r.ratios else ("" if r.worst_ratio is None else f"{r.worst_ratio:.3g}")
             med = f"{r.median_s * 1e3:.3f} ms" if r.median_s is not None else ("-" if r.compliant else "")
-            lines.append(f"{r.backend:16} {r.precision:9} {r.status[:32]:32} {ratio:>20} {med:>11} "
+            # A long reason is printed whole: its first words in the column, the rest below it.
+            first = (textwrap.wrap(r.status, 32, break_on_hyphens=False) or [""])[0]
+            lines.append(f"{r.backend:16} {r.precision:9} {first:32} {ratio:>20} {med:>11} "
                          f"{'  <==' if r.chosen else '':>6}")
+            lines.extend(f"{'':26} {more}" for more in textwrap.wrap(r.status[len(first):].strip(), 72))
         notes = [f"  {r.backend}: {r.note or r.detail}" for r in self.rows if (r.note or r.detail)
                  and (r.compliant is False or r.note)]
         if notes:
@@ -98,6 +102,10 @@ class Decision:
 
     def __str__(self) -> str:
         return self.table()
+
+    def __repr__(self) -> str:
+        return (f"<Decision {self.chosen!r} for {self.case}, precision>={self.precision}, ranking {self.ranking}, "
+                f"source {self.source}; print() it for the table>")
 
 
 @dataclass

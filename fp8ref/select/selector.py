@@ -12,16 +12,26 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 
+import torch
+
+from .._progress import progress
 from ..registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend
 from ..spec.bounds import PrecisionClass
+from ..spec.gemm import OUT_DTYPES
+from ..spec.schemes import Recipe
 from . import cache, timing
 from .compliance import ProbeSet, probe, probe_shapes
 from .decision import BackendUnavailableError, Decision, NoCompliantBackendError, ProbeResult, Row
 from .keys import available_reason, bucket_lo, m_bucket, selection_key
 
-__all__ = ["DEFAULT_PRECISION", "ENV_BACKEND", "ENV_CANDIDATES", "select", "resolve"]
+__all__ = ["DEFAULT_PRECISION", "ENV_BACKEND", "ENV_CANDIDATES", "X_DTYPES", "check_case", "select", "resolve"]
+
+#: Activation dtypes a case may have: the reference quantizer's inputs
+#: (``fp8ref.spec.quant.check_float_input``; tests/test_reliability_messages.py keeps them equal).
+X_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 #: Default required precision class. The FP8 quantization error of a W8A8 linear is ~4e-2
 #: relative (e4m3: u = 2**-4 per operand); a second bf16 rounding adds at most 2**-8 ~ 3.9e-3 and
@@ -67,6 +77,74 @@ def _supports(backend: Backend, case: Case) -> str | None:
     return None
 
 
+def check_case(case: Case) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the field of ``case`` that no backend can be selected
+    for: M < 0, N < 0, K < 1, a non-float ``x_dtype``, an ``out_dtype`` outside ``OUT_DTYPES``, a
+    recipe that is not a ``Recipe``, a device that is not one or is not present here. (``fp8ref.linear``
+    checks the caller's tensors before it builds a case; this guards ``select``, ``resolve`` and
+    ``fp8ref select``.)"""
+    if not isinstance(case, Case):
+        raise TypeError(f"case must be an fp8ref.Case, got {type(case).__name__}")
+    for field, low in (("M", 0), ("N", 0), ("K", 1)):
+        v = getattr(case, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"Case.{field} must be an int >= {low}, got {v!r}"
+                             + (" (the reduction dim K must be at least 1)" if field == "K" else ""))
+    if not isinstance(case.recipe, Recipe):
+        raise TypeError(f"Case.recipe must be an fp8ref.Recipe, got {type(case.recipe).__name__}")
+    if case.x_dtype not in X_DTYPES:
+        raise TypeError(f"Case.x_dtype must be one of {[str(d) for d in X_DTYPES]}, got {case.x_dtype}")
+    if case.out_dtype not in OUT_DTYPES:
+        raise TypeError(f"Case.out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {case.out_dtype}")
+    _check_device(case.device)
+
+
+def _check_device(device: str) -> None:
+    """``Case.device`` names a device torch knows and this machine has (a probe allocates on it, and
+    the cache key asks for its name: both failed inside torch, e.g. ``Torch not compiled with CUDA``)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"Case.device must be a torch device string, got {device!r} ({exc})") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "meta":
+        raise ValueError("Case.device is 'meta', which holds no values: there is nothing to probe or time")
+    module = getattr(torch, dev.type, None)  # torch.cuda, torch.xpu, torch.mps: each has is_available()
+    if module is not None and hasattr(module, "is_available") and not module.is_available():
+        raise ValueError(f"Case.device is {device!r}, but torch.{dev.type}.is_available() is False here "
+                         f"(torch {torch.__version__})")
+    if dev.index is not None and hasattr(module, "device_count") and dev.index >= module.device_count():
+        raise ValueError(f"Case.device is {device!r}, but this machine has {module.device_count()} {dev.type} "
+                         "device(s)")
+
+
+def _empty_output(case: Case, precision: str, key: str) -> Decision:
+    """N = 0: the output ``[M, 0]`` is empty, so there is nothing to probe, time or compare; every
+    backend returns the reference's empty result, and the reference is named."""
+    row = Row(backend="reference", precision=get_backend("reference").precision.value, admitted=True, compliant=True,
+              detail="the spec", note="N = 0: the output is empty, nothing to probe or time", chosen=True)
+    return Decision(key=key, case=case.short_str(), precision=precision, chosen="reference", ranking=["reference"],
+                    rows=[row], source="probe")
+
+
+def _stale_reason(d: Decision, precision: str) -> str | None:
+    """Why a decision read from disk cannot be used as it is for ``precision`` (None if it can):
+    the file is a cache, not a trusted input, so what the selector would never choose is re-checked."""
+    if not d.ranking or d.chosen != d.ranking[0]:
+        return f"chosen {d.chosen!r} is not first of its ranking {d.ranking}"
+    if d.precision != precision:
+        return f"it was made for precision={d.precision!r}"
+    req = PrecisionClass(precision)
+    for name in d.ranking:
+        b = _REGISTRY.get(name)
+        if b is None:
+            return f"backend {name!r} is not registered"
+        if not req.admits(b.precision):
+            return f"backend {name!r} is in class {b.precision.value}, outside precision={precision!r}"
+    return None
+
+
 def _check_precision(precision: str | PrecisionClass) -> str:
     try:
         return PrecisionClass(precision).value
@@ -75,12 +153,21 @@ def _check_precision(precision: str | PrecisionClass) -> str:
 
 
 def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -> Decision:
+    # Probing and timing take seconds per backend: a bar says which one (on a terminal, after 2 s).
+    with progress(total=len(cands), desc=f"fp8ref: selecting a backend for {case.short_str()}",
+                  unit="step") as bar:
+        return _probe_time_rank(case, precision, cands, key, bar)
+
+
+def _probe_time_rank(case: Case, precision: str, cands: list[Backend], key: str, bar) -> Decision:
     t_start = timing.clock()
     req = PrecisionClass(precision)
     rows: list[Row] = []
     probed: list[tuple[Backend, Row, ProbeResult]] = []
     probe_set: ProbeSet | None = None
     for b in cands:
+        bar.set_postfix_str(f"probing {b.name}")
+        bar.update(1)
         row = Row(backend=b.name, precision=b.precision.value)
         rows.append(row)
         row.available = available_reason(b)
@@ -113,7 +200,10 @@ def _run_selection(case: Case, precision: str, cands: list[Backend], key: str) -
     if len(probed) > 1:
         best: float | None = None
         timers: dict[str, Callable[[], float]] = {}
+        bar.total += len(probed)
         for b, row, _ in sorted(probed, key=lambda t: t[1].estimate_s):
+            bar.set_postfix_str(f"timing {b.name}")
+            bar.update(1)
             if b.name == "reference":
                 # The spec computes in float64 and is never faster than a real kernel: it is the
                 # last-resort fallback, ranked last without spending the timing budget on it.
@@ -177,18 +267,27 @@ def select(case: Case, precision: str | PrecisionClass = DEFAULT_PRECISION, *,
     >>> d.chosen
     'reference'
     """
+    check_case(case)
     precision = _check_precision(precision)
     cands = _candidates(candidates)
     key = selection_key(case, precision, cands)
+    if case.N == 0:
+        d = _empty_output(case, precision, key)
+        cache.remember(key, d)
+        return d
     if not refresh:
         d = cache.recall(key)
         if d is not None:
             d.source = "memory"
             return d
         d = cache.lookup_disk(key)
-        if d is not None and all(n in _REGISTRY for n in d.ranking):
-            cache.remember(key, d)
-            return d
+        if d is not None:
+            stale = _stale_reason(d, precision)
+            if stale is None:
+                cache.remember(key, d)
+                return d
+            warnings.warn(f"fp8ref: ignoring the cached decision for {d.case} in {cache.cache_file()} ({stale}); "
+                          "selecting again", stacklevel=2)
     d = _run_selection(case, precision, cands, key)
     cache.remember(key, d)
     cache.write_disk(key, d)
@@ -206,7 +305,11 @@ def _forced(name: str, case: Case, precision: str, origin: str) -> Backend:
     for c in _case_variants(case):
         reason = decline_reason(b, c)
         if reason is not None:
-            raise BackendUnavailableError(f"{origin}: backend {name!r} does not support {c.short_str()}: {reason}")
+            # The caller's case, not the bucket's end that declined (a decision holds for the bucket).
+            b_hi = m_bucket(case.M)
+            at = "" if c.M == case.M else f" (at M={c.M}: one decision serves M={bucket_lo(b_hi)}..{b_hi})"
+            raise BackendUnavailableError(f"{origin}: backend {name!r} does not support {case.short_str()}: "
+                                          f"{reason}{at}")
     if not PrecisionClass(precision).admits(b.precision):
         raise BackendUnavailableError(f"{origin}: backend {name!r} is in class {b.precision.value}, outside the "
                                       f"required precision={precision!r}; pass precision={b.precision.value!r} "
@@ -222,6 +325,7 @@ def resolve(case: Case, backend: str = "auto", precision: str | PrecisionClass =
     outside the precision class) raises ``BackendUnavailableError``: never a silent fallback.
     Under "auto", backends marked failed at run time for this key are skipped.
     """
+    check_case(case)
     precision = _check_precision(precision)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")

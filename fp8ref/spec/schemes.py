@@ -207,6 +207,11 @@ class QuantScheme:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
+    def __repr__(self) -> str:
+        # short_str names every field that differs from the defaults; the dataclass repr (500+
+        # characters, the format's constants included) buried signatures in help().
+        return f"<QuantScheme {self.short_str()}>"
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -222,6 +227,10 @@ class Recipe:
 
     def short_str(self) -> str:
         return f"{self.name}[w:{self.weight.short_str()},a:{self.activation.short_str()}]"
+
+    def __repr__(self) -> str:
+        # Short, so that help(fp8ref.linear) shows the default recipe in one line.
+        return f"<Recipe {self.name}: weight {self.weight.short_str()}, activation {self.activation.short_str()}>"
 
 
 #: SGLang ``--quantization w8a8_fp8``: per-output-channel weights, dynamic per-token activations.

@@ -79,10 +79,12 @@ __attribute__((target("avx2,f16c"))) void epi_row_avx2(const void* y, bool in_bf
 at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
                           bool out_bf16, int64_t isa) {
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "y must be a contiguous 2-D tensor");
-  check_cpu(y, "y");
+  TORCH_CHECK(y.device().is_cpu(), "scale_epilogue: y must be a CPU tensor, got ", y.device());
   TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "y must be fp32/bf16");
   const int64_t M = y.size(0), N = y.size(1);
-  check_epilogue_args(sa, sb, bias, has_bias, M, N);
+  check_fp32_vector(sa, M, "scale_epilogue", "sa");
+  check_fp32_vector(sb, N, "scale_epilogue", "sb");
+  if (has_bias) check_fp32_vector(bias, N, "scale_epilogue", "bias");
   const bool in_bf16 = y.scalar_type() == at::kBFloat16;
   at::Tensor out = in_bf16 == out_bf16 ? y : at::empty({M, N}, at::dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;  // nothing to do (and the grain size below divides by min(N, C))

@@ -164,15 +164,18 @@ int64_t gemm_isa() {
 // (gemm_isa), else 0 scalar, 1 AVX2, 2 AVX-512 (tests force each one).
 at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
                          int64_t isa) {
-  check_cpu(a, "a");
-  check_cpu(b, "b");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8_e4m3_gemm: a [M, K] and b [N, K] must be 2-D, got shapes ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "fp8_e4m3_gemm: a and b must be CPU tensors");
   TORCH_CHECK(a.dtype() == at::kByte && b.dtype() == at::kByte, "codes must be uint8 views");
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.is_contiguous() && b.is_contiguous(),
               "fp8_e4m3_gemm: codes a [M, K] and b [N, K] must be contiguous 2-D, got shapes ", a.sizes(), " and ",
               b.sizes());
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(b.size(1) == K, "K mismatch");
-  check_epilogue_args(sa, sb, bias, has_bias, M, N);
+  check_fp32_vector(sa, M, "fp8_e4m3_gemm", "sa");
+  check_fp32_vector(sb, N, "fp8_e4m3_gemm", "sb");
+  if (has_bias) check_fp32_vector(bias, N, "fp8_e4m3_gemm", "bias");
   const int64_t best = gemm_isa();
   if (isa < 0) isa = best;
   TORCH_CHECK(isa <= best, "this CPU lacks the instructions of code path ", isa);

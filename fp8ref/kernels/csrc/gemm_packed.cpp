@@ -72,10 +72,10 @@ bool has_bf16_dot() {
 at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                                 at::Tensor sb, at::Tensor bias, bool has_bias) {
   TORCH_CHECK(has_bf16_dot(), "the packed cpu-fp8 path needs avx512_bf16");
-  check_cpu(a, "a");
-  check_cpu(pb, "pb");
-  check_cpu(special, "special");
-  TORCH_CHECK(N >= 0, "fp8_e4m3_gemm_packed: N must be >= 0, got ", N);
+  TORCH_CHECK(a.dim() == 2 && N >= 0, "fp8_e4m3_gemm_packed: a must be 2-D [M, K] and N >= 0, got a ", a.sizes(),
+              ", N = ", N);
+  TORCH_CHECK(a.device().is_cpu() && pb.device().is_cpu() && special.device().is_cpu(),
+              "fp8_e4m3_gemm_packed: a, pb and special must be CPU tensors");
   TORCH_CHECK(a.dtype() == at::kByte && pb.dtype() == at::kByte, "codes must be uint8 views");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4,
               "contiguous a, packed [N16, K2, 16, 2] b");
@@ -83,7 +83,9 @@ at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special,
   TORCH_CHECK(K2 == (K + 1) / 2 && N16 == (N + 15) / 16 && pb.size(2) == 16 && pb.size(3) == 2, "packed shape");
   TORCH_CHECK(special.dtype() == at::kByte && special.is_contiguous() && special.numel() == N16 * K2,
               "special must be uint8 [N16, K2]");
-  check_epilogue_args(sa, sb, bias, has_bias, M, N);
+  check_fp32_vector(sa, M, "fp8_e4m3_gemm_packed", "sa");
+  check_fp32_vector(sb, N, "fp8_e4m3_gemm_packed", "sb");
+  if (has_bias) check_fp32_vector(bias, N, "fp8_e4m3_gemm_packed", "bias");
   const uint8_t* spp = special.data_ptr<uint8_t>();
   auto out = at::empty({M, N}, at::dtype(at::kFloat));
   if (M == 0 || N == 0) return out;

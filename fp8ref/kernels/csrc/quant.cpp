@@ -318,12 +318,14 @@ int64_t cpu_isa() {
 std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double qmax, double floor, int64_t mant,
                                      int64_t emin, int64_t bias, bool negzero, bool pow2, int64_t mode, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D tensor");
-  check_cpu(x, "x");
+  TORCH_CHECK(x.device().is_cpu(), "quant_blocks: x must be a CPU tensor, got ", x.device());
   const auto st = x.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "x must be fp32/bf16/fp16");
   TORCH_CHECK(mode >= 0 && mode <= 2, "mode must be 0, 1 or 2");
-  TORCH_CHECK(r >= 1 && c >= 1, "block sizes must be >= 1");
-  TORCH_CHECK(mant >= 1 && mant <= 3 && bias >= 1 && bias <= 31, "not an FP8 format");
+  TORCH_CHECK(r >= 1 && c >= 1, "quant_blocks: block sizes must be >= 1, got ", r, " x ", c);
+  // The rounding shifts by 23 - mant bits and the scale divides by qmax: keep both well defined.
+  TORCH_CHECK(mant >= 1 && mant <= 3, "quant_blocks: an FP8 format has 1 to 3 mantissa bits, got ", mant);
+  TORCH_CHECK(bias >= 1 && bias <= 31, "quant_blocks: an FP8 exponent bias is 1 to 31, got ", bias);
   TORCH_CHECK(std::isfinite(qmax) && qmax > 0 && std::isfinite(floor) && floor >= 0,
               "quant_blocks: qmax must be finite and > 0 and floor finite and >= 0, got ", qmax, " and ", floor);
   const int64_t best = cpu_isa();

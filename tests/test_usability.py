@@ -1,0 +1,107 @@
+"""What a user meets before any number: the default profile, help pages, reprs, progress bars,
+tables that keep their reasons, and a pytest that runs without optional plug-ins (issue 14)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import pydoc
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fp8ref
+from fp8ref.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_profile_is_ci_unless_the_environment_says(monkeypatch):
+    pytest.importorskip("hypothesis")
+    from fp8ref.conformance.profiles import default_profile_name, get_profile
+
+    monkeypatch.delenv("FP8REF_HYPOTHESIS_PROFILE", raising=False)
+    assert default_profile_name() == "ci" and get_profile(None).name == "ci"
+    assert build_parser().parse_args(["conformance"]).profile is None  # None: the default above
+    monkeypatch.setenv("FP8REF_HYPOTHESIS_PROFILE", "dev")
+    assert default_profile_name() == "dev"
+
+
+def _pages(parser: argparse.ArgumentParser, path: str = "fp8ref"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _pages(sub, f"{path} {name}")
+
+
+def test_every_cli_page_has_a_description_and_every_option_help_with_its_default():
+    problems = []
+    for path, page in _pages(build_parser()):
+        text = page.format_help()
+        if not page.description:
+            problems.append(f"{path}: no description")
+        if "``" in text:
+            problems.append(f"{path}: reST markup in the help page")
+        for a in page._actions:
+            if not a.option_strings or a.help is argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
+                continue
+            if not a.help:
+                problems.append(f"{path} {a.option_strings[0]}: no help text")
+            elif a.default not in (None, False) and "default" not in page._get_formatter()._get_help_string(a):
+                problems.append(f"{path} {a.option_strings[0]}: default {a.default!r} not in its help")
+    assert not problems, "\n".join(problems)
+
+
+def test_select_table_prints_whole_reasons_and_decision_repr_is_short():
+    from fp8ref.select.decision import Decision, Row
+
+    reason = ("no CUDA device, and TRITON_INTERPRET is not 1 (set it before triton is first used to run the "
+              "kernels in Triton's CPU interpreter)")
+    d = Decision("k", "M16-N32-K64", "standard", "reference", ["reference"],
+                 rows=[Row("reference", "exact", compliant=True, admitted=True, chosen=True),
+                       Row("triton", "strict", available=reason)])
+    assert " ".join(d.table().split()).count(" ".join(reason.split())) == 1
+    assert len(repr(d)) < 200 and "'reference'" in repr(d) and str(d) == d.table()
+
+
+def test_help_of_linear_shows_a_short_default_recipe():
+    sig = str(inspect.signature(fp8ref.linear))
+    assert len(sig) < 300, sig
+    assert "w8a8_fp8" in sig and "Fp8Format(" not in pydoc.render_doc(fp8ref.linear)
+    assert repr(fp8ref.W8A8_FP8.activation) == "<QuantScheme e4m3fn-row-dyn>"
+
+
+def test_progress_bars_say_what_is_happening(monkeypatch, capsys):
+    pytest.importorskip("tqdm")
+    pytest.importorskip("hypothesis")
+    from fp8ref import _progress
+    from fp8ref.conformance import check
+    from fp8ref.select import select
+
+    monkeypatch.setattr(_progress, "DELAY_S", 0.0)
+    monkeypatch.setenv(_progress.ENV_VAR, "1")  # captured stderr is not a terminal: force the bars
+    check("reference", "dev", seed=0, contracts=["quantize.sign_symmetry"])
+    assert "certifying reference (dev profile)" in capsys.readouterr().err
+    select(fp8ref.Case(M=2, N=8, K=16, recipe=fp8ref.W8A8_FP8), candidates=["reference"], refresh=True)
+    assert "selecting a backend for M2-N8-K16" in capsys.readouterr().err
+    monkeypatch.setenv(_progress.ENV_VAR, "0")
+    check("reference", "dev", seed=0, contracts=["quantize.sign_symmetry"])
+    assert capsys.readouterr().err == ""
+
+
+def test_demo_explains_every_column():
+    from fp8ref.cli.spec import _DEMO_COLUMNS
+
+    for column in ("class", "quantize, scaled_mm, linear", "acc. bits", "time"):
+        assert f"\n  {column}" in "\n" + _DEMO_COLUMNS, column
+
+
+def test_pytest_properties_runs_without_pytest_benchmark():
+    """The repository's pytest settings name no option of an optional plug-in (-p no:benchmark
+    stands for an environment without pytest-benchmark)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:benchmark", "-p", "no:cacheprovider",
+                        "--collect-only", "-q", "properties"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
