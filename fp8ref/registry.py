@@ -35,7 +35,7 @@ OPS = ("quantize", "scaled_mm", "linear")
 #: Modules of the backends shipped with fp8ref, imported on first use of the registry.
 _BUILTIN_MODULES = ("fp8ref.kernels.reference", "fp8ref.kernels.torch_mm", "fp8ref.kernels.cpu",
                     "fp8ref.kernels.triton_kernels", "fp8ref.kernels.sgl",
-                    "fp8ref.kernels.cpu_fp8")
+                    "fp8ref.kernels.cpu_fp8", "fp8ref.kernels.cpu_fp8_amx")
 
 
 @dataclass(frozen=True)

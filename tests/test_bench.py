@@ -252,11 +252,15 @@ def test_run_and_report_on_a_tiny_problem():
 def test_report_formats_every_section():
     res = {
         "meta": {"device": "cpu", "torch": "x", "cpu_count": 2, "torch_threads": 2, "date_utc": "d",
-                 "loadavg_start": [1.0, 0, 0], "loadavg_end": [2.0, 0, 0], "elapsed_s": 3.0},
+                 "loadavg_start": [1.0, 0, 0], "loadavg_end": [2.0, 0, 0], "elapsed_s": 3.0,
+                 "cpu_model": "Some CPU", "cpu_kind": "avx2", "cpu_flags": ["avx2", "fma", "f16c"],
+                 "kernel_paths": {"cpu-fp8": "avx2 kernel", "cpu-fp8-amx": "not run: no AMX"}},
         "backends_skipped": {"triton": "unavailable: no CUDA"},
         "copy": {"gbps": 10.0}, "bf16_peak": {"gflops": 100.0, "n": 2048},
         "quant": [{"backend": "b", "quant": "per-token", "shape": [2, 3], "gbps": 5.0, "frac_of_copy": 0.5},
-                  {"backend": "b", "quant": "per-tensor", "shape": [2, 3], "skipped": "no"}],
+                  {"backend": "b", "quant": "per-tensor", "shape": [2, 3], "skipped": "no"},
+                  {"backend": "c", "quant": "per-token", "shape": [2, 3], "gbps": 5.0, "frac_of_copy": 0.5},
+                  {"backend": "c", "quant": "per-group128", "shape": [2, 3], "gbps": 3.0, "frac_of_copy": 0.3}],
         "linear": [{"K": 8, "N": 8, "M": 1, "bf16_s": 1e-3, "bf16_frac_of_peak": 0.25, "fastest": "b",
                     "auto_over_fastest": 1.01,
                     "backends": {"b": {"speedup_vs_bf16": 1.5, "frac_of_peak": 0.375, "gemm_speedup_vs_bf16": 2.0},
@@ -275,8 +279,15 @@ def test_report_formats_every_section():
               "10.0 examples/s", "first selection (probe + timing) at M=16 K=8 N=8: 500.0 ms", "(picks c)",
               "dispatch overhead at M=1 K=4 N=4: 2.0 us per call (2.0 % of the auto call)",
               "triton (unavailable: no CUDA)", "load average at start 1.00, at end 2.00",
-              "K=8 N=8 M=1 b: 2.000", "skipped: no", "picks b"):
+              "K=8 N=8 M=1 b: 2.000", "skipped: no", "picks b",
+              "CPU: Some CPU (kind avx2; kernel flags: avx2 fma f16c)",
+              "kernel paths: cpu-fp8: avx2 kernel; cpu-fp8-amx: not run: no AMX",
+              "b            slowest per-token 50.0 % of copy: every measured scheme >= 40 %: yes",
+              "c            slowest per-group128 30.0 % of copy: every measured scheme >= 40 %: no"):
         assert s in text, s
+    tables = [line for line in text.splitlines() if line.startswith(("ceilings", "quantization", "linear",
+                                                                     "reference", "selector", "conformance"))]
+    assert len(tables) == 6 and all("[on Some CPU, kind avx2]" in t for t in tables), tables
 
 
 def test_cli_bench_writes_json(tmp_path, capsys):
@@ -290,6 +301,14 @@ def test_cli_bench_writes_json(tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert [r["M"] for r in res["linear"]] == [1, 2] and res["meta"]["torch_threads"] == 1
+    from fp8ref._machine import cpu_kind, cpu_model
+
+    assert res["meta"]["cpu_model"] == cpu_model() and res["meta"]["cpu_kind"] == cpu_kind()
+    from fp8ref.kernels.cpu_fp8 import gemm_path
+
+    assert res["meta"]["kernel_paths"]["cpu-fp8"] == f"{gemm_path()} kernel"
+    amx = fp8ref.get_backend("cpu-fp8-amx").available()
+    assert (res["meta"]["kernel_paths"]["cpu-fp8-amx"] == f"not run: {amx}") == (amx is not None)
     assert res["meta"]["command"] == ("fp8ref bench --device cpu --quick --threads 1 --backend reference "
                                       f"--shape 128x64 --m 1,2 --sections ceilings,linear --json {out}")
     assert "speed-up over bf16" in capsys.readouterr().out

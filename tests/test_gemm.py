@@ -142,3 +142,24 @@ def test_e5m2_large_magnitudes_are_exact_where_float64_alone_is_not():
     y = scaled_mm(quantize(a, s, scale=torch.tensor(1.0)), quantize(b, s, scale=torch.tensor(1.0)),
                   out_dtype=torch.float64)
     assert float(y) == 2.0**-32
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "e4m3fnuz"])
+def test_widening_table_equals_the_cast_on_every_code(fmt):
+    """The reference widens codes by a 256-entry lookup; it must give the cast's bits on every
+    code (NaN codes included) and read strided column slices right."""
+    from fp8ref.spec import gemm
+    from fp8ref.spec.formats import get_format
+
+    f = get_format(fmt)
+    codes = torch.arange(256, dtype=torch.uint8).view(f.torch_dtype)
+    table = gemm._value_table(f, codes.device)
+    cast = codes.to(torch.float64)
+    assert torch.equal(table.isnan(), cast.isnan())
+    assert torch.equal(table[~cast.isnan()].view(torch.int64), cast[~cast.isnan()].view(torch.int64))
+    block = torch.randint(0, 256, (7, 300), dtype=torch.uint8).view(f.torch_dtype)
+    idx, out = torch.empty(7 * 300, dtype=torch.int32), torch.empty(7 * 300, dtype=torch.float64)
+    got = gemm._widen(block[:, 37:290], table, idx, out)
+    want = block[:, 37:290].to(torch.float64)
+    assert got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

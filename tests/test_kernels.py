@@ -19,7 +19,8 @@ from fp8ref.registry import Case, get_backend
 from fp8ref.spec import bounds, gemm, quant
 from fp8ref.spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
 
-SHIPPED = ["torch", "torch-fast", "cpu-bf16", "cpu-fp32", "cpu-fp8", "triton", "sgl-kernel", "sgl-kernel-block"]
+SHIPPED = ["torch", "torch-fast", "cpu-bf16", "cpu-fp32", "cpu-fp8", "cpu-fp8-amx", "triton", "sgl-kernel",
+           "sgl-kernel-block"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MIXED = Recipe("mixed", QuantScheme(granularity="tensor"), QuantScheme(granularity="row"))
 E5M2 = Recipe("e5m2", QuantScheme(format="e5m2"), QuantScheme(format="e5m2", granularity="tensor"))
@@ -260,13 +261,34 @@ def test_declines(name, case, needle):
 
 
 def test_cpu_fp8_without_bf16_dot_declines_large_m():
-    from fp8ref.kernels.cpu_fp8 import MAX_M_FALLBACK, CpuFp8Backend
+    """Off the packed path, the limit is the path's own, and the reason names what is missing."""
+    from fp8ref.kernels.cpu_fp8 import _PATH_MAX_M, CpuFp8Backend
 
     be = CpuFp8Backend()
     be.bf16_dot = False
-    reason = be.supports(Case(MAX_M_FALLBACK + 1, 32, 32, W8A8_FP8))
-    assert isinstance(reason, str) and "small-M" in reason
-    assert be.supports(Case(MAX_M_FALLBACK, 32, 32, W8A8_FP8)) is None
+    limit = _PATH_MAX_M[be._path()]
+    reason = be.supports(Case(limit + 1, 32, 32, W8A8_FP8))
+    assert isinstance(reason, str) and "small-M" in reason and be._path() in reason
+    assert ("lacks" in reason) or ("bf16_dot is off" in reason)
+    assert be.supports(Case(limit, 32, 32, W8A8_FP8)) is None
+
+
+def _cpu_fp8_on(path):
+    """cpu-fp8 forced onto one kernel path, or a skip naming the flags this CPU lacks for it."""
+    from fp8ref._machine import cpu_flags, cpu_model
+    from fp8ref.kernels.cpu_fp8 import PATH_FLAGS, CpuFp8Backend
+
+    be = CpuFp8Backend()
+    if be.available():
+        pytest.skip(be.available())
+    missing = [f for f in PATH_FLAGS[path] if f not in cpu_flags()]
+    if missing:
+        pytest.skip(f"this CPU ({cpu_model()}) lacks {', '.join(missing)}: the {path} path cannot run here")
+    be.isa = path
+    return be
+
+
+PATHS = ["packed", "avx512", "avx2", "scalar"]
 
 
 def test_cpu_fp8_packed_splits_rows_in_chunks(monkeypatch):
@@ -328,16 +350,11 @@ def test_cpu_fp8_unbuilt_is_unavailable_with_instructions(monkeypatch, tmp_path)
     assert reason is not None and ("python -m fp8ref.kernels.cpu_fp8" in reason or "needs" in reason)
 
 
-@pytest.mark.parametrize("bf16_dot", [True, False], ids=["dpbf16", "fp16-decode"])
-def test_cpu_fp8_decodes_every_code_exactly(bf16_dot):
+@pytest.mark.parametrize("path", PATHS)
+def test_cpu_fp8_decodes_every_code_exactly(path):
     """An identity on one side makes the kernel output the other side's decoded codes, exactly: all
     254 finite E4M3FN codes through both the vector decoding (weights) and the activation path."""
-    from fp8ref.kernels.cpu_fp8 import CpuFp8Backend
-
-    be = CpuFp8Backend()
-    be.bf16_dot = bf16_dot
-    if be.available():
-        pytest.skip(be.available())
+    be = _cpu_fp8_on(path)
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # 254 finite codes
     codes = torch.cat([codes, torch.zeros(2, dtype=torch.uint8)]).reshape(4, 64).view(torch.float8_e4m3fn)
@@ -351,16 +368,11 @@ def test_cpu_fp8_decodes_every_code_exactly(bf16_dot):
     assert torch.equal(be.scaled_mm(vals, ident, out_dtype=torch.float32), values)
 
 
-@pytest.mark.parametrize("bf16_dot", [True, False], ids=["dpbf16", "fp16-decode"])
-def test_cpu_fp8_accumulates_with_round_to_nearest_even(bf16_dot):
+@pytest.mark.parametrize("path", PATHS)
+def test_cpu_fp8_accumulates_with_round_to_nearest_even(path):
     """64 + m * 2**-18 (m/2 fp32 ulps of 64) must round to nearest even, as the declared fp32
     accumulation assumes (vdpbf16ps is specified so; truncation would give floor(m/2))."""
-    from fp8ref.kernels.cpu_fp8 import CpuFp8Backend
-
-    be = CpuFp8Backend()
-    be.bf16_dot = bf16_dot
-    if be.available():
-        pytest.skip(be.available())
+    be = _cpu_fp8_on(path)
     tensor, one = QuantScheme(granularity="tensor"), torch.ones(1, 1)
     for m, rne_ulps in ((3, 2), (5, 2), (7, 4)):  # 1.5 -> 2, 2.5 -> 2, 3.5 -> 4
         for big, small in ((1, 0), (0, 1)):  # both orders within a vdpbf16ps pair
@@ -371,6 +383,25 @@ def test_cpu_fp8_accumulates_with_round_to_nearest_even(bf16_dot):
             qb = quant.Quantized(b.to(torch.float8_e4m3fn), one, tensor)
             y = be.scaled_mm(qa, qb, out_dtype=torch.float32).item()
             assert y == 64.0 + rne_ulps * 2.0**-17, (m, big, y)
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_cpu_fp8_unpacked_paths_within_fp32_bound(path):
+    """Row counts across every register block (1..17, 33), N across column slices, K across the
+    16-code steps and the K chunks of the AVX2 kernel (77, 530), with bias."""
+    be = _cpu_fp8_on(path)
+    g = torch.Generator().manual_seed(5)
+    for N, K in ((45, 77), (17, 530)):
+        qw = quant.quantize(torch.randn(N, K, generator=g), W8A8_FP8.weight)
+        w = be.prepare_weight(qw)
+        bias = torch.randn(N, generator=g)
+        for M in list(range(1, 18)) + [33]:
+            qa = quant.quantize(torch.randn(M, K, generator=g) * 5, W8A8_FP8.activation)
+            y = be.scaled_mm(qa, w, bias, out_dtype=torch.float32)
+            ref = gemm.scaled_mm(qa, qw, bias, out_dtype=torch.float64)
+            bound = bounds.gemm_error_bound(qa, qw, bias, out_dtype=torch.float32, accumulation=be.accumulation,
+                                            output_roundings=be.output_roundings, y_ref=ref)
+            assert bool(((y.to(torch.float64) - ref).abs() <= bound).all()), (path, M, N, K)
 
 
 def test_cpu_fp8_refuses_nan_codes():
@@ -386,7 +417,7 @@ def test_cpu_fp8_refuses_nan_codes():
 
 
 @pytest.mark.parametrize("mod", ["fp8ref.kernels._common", "fp8ref.kernels.torch_mm", "fp8ref.kernels.cpu",
-                                 "fp8ref.kernels.cpu_fp8", "fp8ref.kernels.native",
+                                 "fp8ref.kernels.cpu_fp8", "fp8ref.kernels.cpu_fp8_amx", "fp8ref.kernels.native",
                                  "fp8ref.kernels.triton_kernels", "fp8ref.kernels.sgl"])
 def test_docstring_examples(mod):
     result = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)

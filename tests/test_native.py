@@ -1,6 +1,7 @@
 """The compiled CPU extension's fused pieces against the spec, bit for bit.
 
-``quant_rows`` (per-row dynamic quantization to codes, or to the exact FP8 values in bf16/fp32),
+``quant_blocks`` (dynamic quantization with tensor, row, group or block scales, to codes or to the
+exact FP8 values in bf16/fp32, on each code path the CPU runs: scalar, AVX2, AVX-512),
 ``scale_epilogue`` (the CPU backends' fp32 scale-and-bias epilogue), the packed ``cpu-fp8`` GEMM
 and ``Backend.linear`` — every one claims to compute the spec's expressions in the spec's order,
 so each is compared for *equal bits* (quantization, epilogue) or against the derived fp32 bound
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import fp8ref
+from fp8ref._machine import cpu_model
 from fp8ref.kernels import _common, cpu, cpu_fp8, native
 from fp8ref.spec import bounds, gemm, quant
 from fp8ref.spec.formats import E4M3FN, E4M3FNUZ, E5M2
@@ -60,57 +62,123 @@ def _inputs(fmt, dtype, seed):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "scalar"])
+#: The quantizer's code paths: each runs where the CPU has its instructions, else skips saying so.
+ISAS = {"scalar": (0, ""), "avx2": (1, "avx2 + f16c"), "avx512": (2, "avx512f + avx512bw")}
+
+
+def _isa(mod, name):
+    level, flags = ISAS[name]
+    if level > mod.cpu_isa():
+        pytest.skip(f"this CPU ({cpu_model()}) lacks {flags}: the {name} path cannot run here")
+    return level
+
+
+def _schemes(fmt):
+    """Every granularity, with segments that are and are not multiples of the vector widths, plus
+    the scale options (no floor, a smaller qmax, power-of-two scales)."""
+    f = FORMATS[fmt]
+    base = [QuantScheme(format=fmt), QuantScheme(format=fmt, granularity="tensor"),
+            QuantScheme(format=fmt, granularity="group", group_size=16),
+            QuantScheme(format=fmt, granularity="group", group_size=7),
+            QuantScheme(format=fmt, granularity="group", group_size=128),
+            QuantScheme(format=fmt, granularity="block", block=(3, 5)),
+            QuantScheme(format=fmt, granularity="block", block=(4, 64))]
+    opts = [dict(amax_floor=0.0), dict(qmax=f.max / 2), dict(pow2_scale=True)]
+    return base + [s.with_(**o) for s in base[:2] + base[5:6] for o in opts]
+
+
+def _check_native_quant(x, scheme, isa):
+    """Codes, bf16 and fp32 values and scales of every mode equal the spec's, signs of zeros too."""
+    ref = quant.quantize(x, scheme)
+    vals = ref.data.to(torch.float32)
+    for mode in (0, 1, 2):
+        out, s, amax = _common.native_quant(x, scheme, mode, isa)
+        assert torch.equal(s, ref.scale), (mode, scheme.short_str())
+        assert bool(torch.isfinite(amax).all())
+        if mode == 0:
+            assert torch.equal(out, ref.data.view(torch.uint8)), (mode, scheme.short_str())
+        else:
+            assert out.dtype == (torch.bfloat16 if mode == 1 else torch.float32)
+            got = out.to(torch.float32)
+            assert torch.equal(got, vals), (mode, scheme.short_str())
+            assert torch.equal(torch.signbit(got), torch.signbit(vals)), ("sign of zero", mode, scheme.short_str())
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
-def test_quant_rows_equals_spec(mod, fmt, dtype, vector):
+def test_native_quant_equals_spec(mod, fmt, dtype, isa):
+    """formats x input dtypes x code paths x schemes (every granularity and scale option), on rows
+    of ties, subnormals, saturation, signed zeros, a zero row and huge dynamic ranges."""
+    level = _isa(mod, isa)
     f = FORMATS[fmt]
-    for seed, scheme in enumerate([QuantScheme(format=fmt), QuantScheme(format=fmt, amax_floor=0.0),
-                                   QuantScheme(format=fmt, qmax=f.max / 2)]):
+    for seed, scheme in enumerate(_schemes(fmt)):
         x = _inputs(f, DTYPES[dtype], seed)
         if not bool(torch.isfinite(x).all()):
             x = torch.nan_to_num(x, posinf=0.0, neginf=0.0)  # fp16 cannot hold E5M2's max
-        ref = quant.quantize(x, scheme)
-        args = (scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme))
-        for mode in (0, 1, 2):
-            out, s, amax = mod.quant_rows(x.contiguous(), *args, mode, vector)
-            assert torch.equal(s, ref.scale), (mode, scheme)
-            assert bool(torch.isfinite(amax).all())
-            if mode == 0:
-                assert torch.equal(out, ref.data.view(torch.uint8)), (mode, scheme)
-            else:
-                vals = ref.data.to(torch.float32)
-                assert out.dtype == (torch.bfloat16 if mode == 1 else torch.float32)
-                assert torch.equal(out.to(torch.float32), vals)
-                assert torch.equal(torch.signbit(out.to(torch.float32)), torch.signbit(vals)), "sign of zero"
+        _check_native_quant(x, scheme, level)
 
 
-def test_quant_rows_random_many_shapes(mod):
-    """10^5-ish random elements over shapes with K from 1 to 300 (vector tails of every length)."""
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_native_quant_every_bit_pattern(mod, dtype, isa):
+    """All 65,536 bf16 / fp16 bit patterns (the finite ones) through every format and granularity."""
+    level = _isa(mod, isa)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(DTYPES[dtype])
+    x = x[torch.isfinite(x)]
+    x = torch.cat([x, torch.zeros((-x.numel()) % 256, dtype=x.dtype)]).reshape(-1, 256)
+    for fmt in FORMATS:
+        for scheme in _schemes(fmt)[:7]:
+            _check_native_quant(x, scheme, level)
+
+
+def test_native_quant_random_many_shapes(mod):
+    """Random rows with K from 1 to 300 (vector tails of every length) and group/block edges."""
     g = torch.Generator().manual_seed(0)
-    scheme = QuantScheme()
     for K in list(range(1, 40)) + [127, 128, 129, 300]:
         x = (torch.randn(7, K, generator=g) * torch.exp(torch.randn(7, 1, generator=g) * 6)).to(torch.bfloat16)
-        out, s, _ = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 0, True)
-        ref = quant.quantize(x, scheme)
-        assert torch.equal(out, ref.data.view(torch.uint8)) and torch.equal(s, ref.scale), K
+        for scheme in (QuantScheme(), QuantScheme(granularity="group", group_size=16),
+                       QuantScheme(granularity="block", block=(2, 8)), QuantScheme(granularity="tensor")):
+            ref = quant.quantize(x, scheme)
+            q = _common.fast_quantize(x, scheme)
+            assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)), (K, scheme.short_str())
+            assert torch.equal(q.scale, ref.scale), (K, scheme.short_str())
 
 
+@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_quant_rows_flags_non_finite_rows_and_fast_quantize_raises(mod, bad):
+def test_native_quant_flags_non_finite_blocks_and_fast_quantize_raises(mod, bad, isa):
+    level = _isa(mod, isa)
     x = torch.randn(3, 40)
     x[1, 37] = bad  # in the scalar tail of the vector path
     scheme = QuantScheme()
-    _, _, amax = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 1, True)
+    _, _, amax = _common.native_quant(x, scheme, 1, level)
     assert math.isinf(float(amax[1])) and bool(torch.isfinite(amax[[0, 2]]).all())
     x[1, 37] = 0.0
     x[2, 3] = bad  # in the vector body
-    _, _, amax = mod.quant_rows(x, scheme.qmax, scheme.amax_floor, *_common.native_format_args(scheme), 1, True)
+    _, _, amax = _common.native_quant(x, scheme, 1, level)
     assert math.isinf(float(amax[2]))
-    with pytest.raises(ValueError, match="NaN|Inf|finite"):
-        _common.fast_quantize(x, scheme)
+    groups = QuantScheme(granularity="group", group_size=16)
+    _, _, amax = _common.native_quant(x, groups, 0, level)
+    assert math.isinf(float(amax[2, 0])) and int(torch.isfinite(amax).sum()) == amax.numel() - 1
+    for s in (scheme, groups, QuantScheme(granularity="tensor"), QuantScheme(granularity="block", block=(2, 8))):
+        with pytest.raises(ValueError, match="NaN|Inf|finite"):
+            _common.fast_quantize(x, s)
     with pytest.raises(ValueError, match="NaN|Inf|finite"):
         fp8ref.get_backend("cpu-bf16").linear(x.to(torch.bfloat16), _weight(40, 8, "cpu-bf16"))
+
+
+def test_native_quant_scale_overflow_raises_like_the_spec(mod):
+    """amax / qmax beyond fp32 (a tiny qmax): the spec raises, so must the fast path."""
+    scheme = QuantScheme(qmax=float.fromhex("0x1p-9"), granularity="group", group_size=4)
+    x = torch.ones(2, 8)
+    x[1, 5] = 1e37
+    with pytest.raises(ValueError, match="overflows") as want:
+        quant.quantize(x, scheme)
+    with pytest.raises(ValueError, match="overflows") as got:
+        _common.fast_quantize(x, scheme)
+    assert str(got.value) == str(want.value)
 
 
 def _weight(K, N, backend):
@@ -118,9 +186,11 @@ def _weight(K, N, backend):
     return be.prepare_weight(quant.quantize(torch.randn(N, K), fp8ref.W8A8_FP8.weight))
 
 
+@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("out_bf16", [True, False], ids=["out-bf16", "out-fp32"])
 @pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32], ids=["y-bf16", "y-fp32"])
-def test_scale_epilogue_equals_eager(mod, y_dtype, out_bf16):
+def test_scale_epilogue_equals_eager(mod, y_dtype, out_bf16, isa):
+    level = _isa(mod, isa)
     g = torch.Generator().manual_seed(1)
     y = (torch.randn(37, 53, generator=g) * 100).to(y_dtype)
     y[0, :4] = torch.tensor([0.0, -0.0, 3e38, -3e38])  # zeros and overflow to +-inf after scaling
@@ -129,16 +199,19 @@ def test_scale_epilogue_equals_eager(mod, y_dtype, out_bf16):
     bias = torch.randn(53, generator=g)
     out_dtype = torch.bfloat16 if out_bf16 else torch.float32
     for b in (None, bias):
-        got = cpu._native_epilogue(y.clone(), sa, sb, b, out_dtype)
+        got = mod.scale_epilogue(y.clone(), sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
+                                 sa.reshape(-1) if b is None else b, b is not None, out_bf16, level)
         want = cpu._epilogue(y.clone(), sa, sb, b, out_dtype)
         assert got.dtype == want.dtype
         assert torch.equal(got.view(torch.int16 if out_bf16 else torch.int32),
                            want.view(torch.int16 if out_bf16 else torch.int32))
+    assert torch.equal(cpu._native_epilogue(y.clone(), sa, sb, bias, out_dtype).view(torch.uint8),
+                       cpu._epilogue(y.clone(), sa, sb, bias, out_dtype).view(torch.uint8))
 
 
 def test_scale_epilogue_rounds_nan_like_torch(mod):
     y = torch.tensor([[math.nan, 1.0]], dtype=torch.float32)
-    got = mod.scale_epilogue(y, torch.ones(1), torch.ones(2), torch.ones(1), False, True)
+    got = mod.scale_epilogue(y, torch.ones(1), torch.ones(2), torch.ones(1), False, True, -1)
     assert math.isnan(float(got[0, 0])) and float(got[0, 1]) == 1.0
 
 
@@ -280,3 +353,53 @@ def test_probe_and_contract_reject_a_linear_that_differs():
     with pytest.raises(contracts.ContractViolation, match="linear differs"):
         contracts.check_linear_matches_two_calls(_BadLinear(), p)
     assert isinstance(p, strategies.LinearProblem)
+
+
+def _raises_runtime(fn, *args):
+    with pytest.raises(RuntimeError):
+        fn(*args)
+
+
+def test_entry_points_guard_their_operands(mod):
+    """Every entry point checks what it reads through raw pointers: shapes, sizes, dtypes, the
+    device (a tensor off the CPU would be dereferenced as host memory) and the parameters it
+    divides by, and raises RuntimeError instead of crashing the interpreter."""
+    u8, f32 = torch.uint8, torch.float32
+    a, b = torch.zeros(3, 40, dtype=u8), torch.zeros(5, 40, dtype=u8)
+    sa, sb, bias = torch.ones(3), torch.ones(5), torch.zeros(5)
+    meta = torch.empty(3, 40, dtype=u8, device="meta")
+    gemm_ = mod.fp8_e4m3_gemm
+    _raises_runtime(gemm_, a, torch.zeros(5, 41, dtype=u8), sa, sb, bias, False, -1)  # K mismatch
+    _raises_runtime(gemm_, a.view(-1), b, sa, sb, bias, False, -1)  # 1-D a
+    _raises_runtime(gemm_, a, b, torch.ones(2), sb, bias, False, -1)  # sa of the wrong size
+    _raises_runtime(gemm_, a, b, sa, sb, torch.zeros(4), True, -1)  # bias of the wrong size
+    _raises_runtime(gemm_, meta, b, sa, sb, bias, False, -1)  # not on the CPU
+    _raises_runtime(gemm_, a, b, sa.to(device="meta"), sb, bias, False, -1)
+    _raises_runtime(gemm_, a, b, sa, sb, bias, False, 3)  # a code path no CPU has
+    packed, special = cpu_fp8.pack_weight(b)
+    amx = mod.fp8_e4m3_gemm_amx
+    _raises_runtime(amx, a, packed, special, 6, sa, sb, bias, False, True)  # N does not fit the packing
+    _raises_runtime(amx, a, packed, special, -1, sa, sb, bias, False, True)
+    _raises_runtime(amx, a[:, :38], packed, special, 5, sa, sb, bias, False, True)  # K does not fit
+    _raises_runtime(amx, a, packed, special[:, :-1], 5, sa, sb, bias, False, True)
+    _raises_runtime(amx, meta, packed, special, 5, sa, sb, bias, False, True)
+    assert amx(a, packed, special, 5, sa, sb, bias, False, True).shape == (3, 5)
+    x = torch.randn(4, 64)
+    args = (448.0, 0.0, *_common.native_format_args(QuantScheme()), False, 0, -1)
+    _raises_runtime(mod.quant_blocks, x.to(device="meta"), 1, 64, *args)
+    _raises_runtime(mod.quant_blocks, x, 0, 64, *args)
+    _raises_runtime(mod.quant_blocks, x, 1, 64, 0.0, *args[1:])  # qmax 0 would divide by zero
+    _raises_runtime(mod.quant_blocks, x, 1, 64, math.nan, *args[1:])
+    big = 2**62  # blocks larger than the tensor are the tensor: no overflow in r * c
+    assert mod.quant_blocks(x, big, big, *args)[1].shape == (1, 1)
+    _raises_runtime(mod.scale_epilogue, torch.zeros(3, 5, device="meta"), sa, sb, bias, False, True, -1)
+    _raises_runtime(mod.scale_epilogue, torch.zeros(3, 5), sa, torch.ones(4), bias, False, True, -1)
+    assert gemm_(a, b, sa, sb, bias, True).shape == (3, 5)  # isa defaults to this CPU's best path
+    for M, N in ((0, 5), (3, 0), (0, 0)):  # empty outputs, no division by zero
+        out = mod.scale_epilogue(torch.zeros(M, N, dtype=f32), torch.ones(M), torch.ones(N), bias[:N], False, True,
+                                 -1)
+        assert out.shape == (M, N)
+    _raises_runtime(mod.amx_emu_tdpbf16ps, torch.zeros(17, 16), torch.zeros(17, 32, dtype=torch.bfloat16),
+                    torch.zeros(16, 32, dtype=torch.bfloat16))  # 17 rows: the tile would fault
+    _raises_runtime(mod.amx_emu_tdpbf16ps, torch.zeros(2, 2), torch.zeros(2, 4, dtype=torch.bfloat16).view(-1),
+                    torch.zeros(2, 4, dtype=torch.bfloat16))

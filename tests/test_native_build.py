@@ -159,14 +159,16 @@ def test_probe_and_timing_never_build(unbuilt, monkeypatch):
 
 
 def test_build_says_when_it_starts_and_how_long_it_took(unbuilt, monkeypatch, capsys):
-    fake = types.SimpleNamespace(has_bf16_dot=lambda: False)
+    fake = types.SimpleNamespace(has_bf16_dot=lambda: False, gemm_isa=lambda: 1,
+                                 amx_status=lambda: "this CPU lacks amx")
     monkeypatch.setattr(native, "_compile", lambda verbose: unbuilt.append("build") or fake)
     assert cpu_fp8.main([]) == 0
     out, err = capsys.readouterr()
     assert unbuilt == ["build"]
     assert "fp8ref: building the cpu-fp8 C++ kernel in" in err
     assert "fp8ref: built the cpu-fp8 C++ kernel in" in err and err.rstrip().endswith(" s")
-    assert str(native.library_path()) in out and "avx512_bf16 dot products on this CPU: no" in out
+    assert str(native.library_path()) in out and "cpu-fp8 runs its avx2 kernel" in out
+    assert "AMX tiles (cpu-fp8-amx): no, this CPU lacks amx" in out
     assert native.require() is fake and cpu_fp8.main([]) == 0 and unbuilt == ["build"]  # built once
 
 

@@ -59,19 +59,19 @@ CASES = [
      "mod.fp8_e4m3_gemm_packed(c(16), c(1, 8, 16, 2), c(1, 8), 16, v(1), v(16), v(16), False)"),
     ("packed shape", "packed shape|avx512_bf16",
      "mod.fp8_e4m3_gemm_packed(c(4, 16), c(1, 7, 16, 2), c(1, 7), 16, v(4), v(16), v(16), False)"),
-    # quant_rows: the format parameters drive shifts and a division
-    ("quant M=0", "", "out, s, a = mod.quant_rows(z(0, 16), 448.0, 1e-12, 3, -6, 7, True, 0, True); "
+    # quant_blocks (1 x 16 blocks): the format parameters drive shifts and a division
+    ("quant M=0", "", "out, s, a = QB(z(0, 16), 1, 16, 448.0, 1e-12, 3, -6, 7, True, False, 0, -1); "
                       "ok(out.shape == (0, 16))"),
-    ("quant mant 0", "mantissa bits", "mod.quant_rows(z(2, 16), 448.0, 1e-12, 0, -6, 7, True, 0, True)"),
-    ("quant mant 30", "mantissa bits", "mod.quant_rows(z(2, 16), 448.0, 1e-12, 30, -6, 7, True, 0, True)"),
-    ("quant qmax 0", "qmax must be", "mod.quant_rows(z(2, 16), 0.0, 1e-12, 3, -6, 7, True, 0, True)"),
-    ("quant qmax nan", "qmax must be", "mod.quant_rows(z(2, 16), float('nan'), 1e-12, 3, -6, 7, True, 0, True)"),
-    ("quant floor<0", "floor", "mod.quant_rows(z(2, 16), 448.0, -1.0, 3, -6, 7, True, 0, True)"),
-    ("quant mode 3", "mode must be", "mod.quant_rows(z(2, 16), 448.0, 1e-12, 3, -6, 7, True, 3, True)"),
-    ("quant x 1-D", "2-D", "mod.quant_rows(z(16), 448.0, 1e-12, 3, -6, 7, True, 0, True)"),
-    ("quant x strided", "contiguous", "mod.quant_rows(z(16, 4).t(), 448.0, 1e-12, 3, -6, 7, True, 0, True)"),
-    ("quant x int", "fp32/bf16/fp16", "mod.quant_rows(z(2, 16, dtype=torch.int32), 448.0, 1e-12, 3, -6, 7, True, 0, "
-                                      "True)"),
+    ("quant mant 0", "mantissa bits", "QB(z(2, 16), 1, 16, 448.0, 1e-12, 0, -6, 7, True, False, 0, -1)"),
+    ("quant mant 30", "mantissa bits", "QB(z(2, 16), 1, 16, 448.0, 1e-12, 30, -6, 7, True, False, 0, -1)"),
+    ("quant qmax 0", "qmax must be", "QB(z(2, 16), 1, 16, 0.0, 1e-12, 3, -6, 7, True, False, 0, -1)"),
+    ("quant qmax nan", "qmax must be", "QB(z(2, 16), 1, 16, float('nan'), 1e-12, 3, -6, 7, True, False, 0, -1)"),
+    ("quant floor<0", "floor", "QB(z(2, 16), 1, 16, 448.0, -1.0, 3, -6, 7, True, False, 0, -1)"),
+    ("quant mode 3", "mode must be", "QB(z(2, 16), 1, 16, 448.0, 1e-12, 3, -6, 7, True, False, 3, -1)"),
+    ("quant x 1-D", "2-D", "QB(z(16), 1, 16, 448.0, 1e-12, 3, -6, 7, True, False, 0, -1)"),
+    ("quant x strided", "contiguous", "QB(z(16, 4).t(), 1, 16, 448.0, 1e-12, 3, -6, 7, True, False, 0, -1)"),
+    ("quant x int", "fp32/bf16/fp16", "QB(z(2, 16, dtype=torch.int32), 1, 16, 448.0, 1e-12, 3, -6, 7, True, False, 0, "
+                                      "-1)"),
 ]
 
 _CHILD = textwrap.dedent("""
@@ -84,6 +84,7 @@ _CHILD = textwrap.dedent("""
     z = lambda *s, dtype=torch.float32: torch.zeros(*s, dtype=dtype)
     c = lambda *s: torch.zeros(*s, dtype=torch.uint8)
     v = lambda n: torch.ones(n, dtype=torch.float32)
+    QB = getattr(mod, "quant_blocks", None)  # (x, r, c, qmax, floor, mant, emin, bias, negzero, pow2, mode, isa)
     def ok(cond):
         if not cond:
             raise AssertionError("wrong result")

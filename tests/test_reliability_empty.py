@@ -85,7 +85,7 @@ def test_cpu_fp8_packed_path_at_m0(monkeypatch):
     b = get_backend("cpu-fp8")
     if b.available():
         pytest.skip(b.available())
-    monkeypatch.setattr(cpu_fp8, "_has_bf16", True)
+    monkeypatch.setattr(cpu_fp8, "_cpu_has_bf16_dot", lambda: True)
     qw = b.prepare_weight(fp8ref.quantize(torch.randn(8, K), fp8ref.W8A8_FP8.weight))
     assert qw.extra["packed"] is not None
     qx = b.quantize(torch.randn(0, K), fp8ref.W8A8_FP8.activation)

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
-__all__ = ["format_report"]
+__all__ = ["format_report", "QUANT_TARGET"]
 
 
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
+
+
+#: The quantization target (issue 16): every scheme at least this fraction of the copy bandwidth.
+QUANT_TARGET = 0.40
+
+
+def _cpu_tag(meta: dict) -> str:
+    """`` [on <CPU model>, kind <kind>]``: every table says which CPU it was measured on."""
+    if "cpu_model" not in meta:
+        return ""
+    return f" [on {meta['cpu_model']}, kind {meta.get('cpu_kind', '?')}]"
+
+
+def _quant_summary(rows: list[dict]) -> list[str]:
+    """Per backend: its slowest scheme against the target."""
+    out = []
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    for b in backends:
+        measured = [r for r in rows if r["backend"] == b and r.get("frac_of_copy") is not None]
+        if not measured:
+            continue
+        worst = min(measured, key=lambda r: r["frac_of_copy"])
+        met = all(r["frac_of_copy"] >= QUANT_TARGET for r in measured)
+        out.append(f"  {b:12} slowest {worst['quant']} {100 * worst['frac_of_copy']:.1f} % of copy: every measured "
+                   f"scheme >= {100 * QUANT_TARGET:.0f} %: {'yes' if met else 'no'}")
+    return out
 
 
 def format_report(res: dict) -> str:
@@ -21,9 +47,15 @@ def format_report(res: dict) -> str:
     """
     out = []
     meta = res.get("meta", {})
+    tag = _cpu_tag(meta)
     out.append(f"fp8ref bench on {meta.get('gpu', meta.get('device'))} (torch {meta.get('torch')}, "
                f"{meta.get('cpu_count')} CPUs, {meta.get('torch_threads')} threads, {meta.get('date_utc')}"
                f"{', quick' if meta.get('quick') else ''})")
+    if "cpu_model" in meta:
+        out.append(f"CPU: {meta['cpu_model']} (kind {meta.get('cpu_kind')}; kernel flags: "
+                   f"{' '.join(meta.get('cpu_flags', [])) or 'none'})")
+    if meta.get("kernel_paths"):
+        out.append("kernel paths: " + "; ".join(f"{k}: {v}" for k, v in meta["kernel_paths"].items()))
     if "loadavg_start" in meta:
         out.append(f"load average at start {meta['loadavg_start'][0]:.2f}"
                    + (f", at end {meta['loadavg_end'][0]:.2f}" if "loadavg_end" in meta else ""))
@@ -31,9 +63,9 @@ def format_report(res: dict) -> str:
         out.append("backends not run: " + "; ".join(f"{k} ({v})" for k, v in res["backends_skipped"].items()))
     if "copy" in res:
         out.append(f"\nceilings: memory copy {res['copy']['gbps']:.2f} GB/s (read + write); "
-                   f"bf16 GEMM peak {res['bf16_peak']['gflops']:.1f} GFLOP/s (n={res['bf16_peak']['n']})")
+                   f"bf16 GEMM peak {res['bf16_peak']['gflops']:.1f} GFLOP/s (n={res['bf16_peak']['n']}){tag}")
     if res.get("quant"):
-        out.append("\nquantization (GB/s = input read + codes and scales written; % of memory copy)")
+        out.append(f"\nquantization (GB/s = input read + codes and scales written; % of memory copy){tag}")
         out.append(f"  {'backend':12} {'quant':13} {'shape':>11} {'GB/s':>9} {'% copy':>7}")
         for r in res["quant"]:
             shape = "x".join(map(str, r["shape"]))
@@ -43,6 +75,7 @@ def format_report(res: dict) -> str:
                            f"{_fmt(None if frac is None else 100 * frac, '6.1f'):>7}")
             else:
                 out.append(f"  {r['backend']:12} {r['quant']:13} {shape:>11}  skipped: {r['skipped'][:60]}")
+        out.extend(_quant_summary(res["quant"]))
     if res.get("linear"):
         cols = []
         for r in res["linear"]:
@@ -50,7 +83,7 @@ def format_report(res: dict) -> str:
                 if b not in cols:
                     cols.append(b)
         out.append("\nlinear (W8A8 per-channel/per-token, bf16 out): speed-up over bf16 F.linear "
-                   "(> 1 = faster) / % of bf16 GEMM peak")
+                   f"(> 1 = faster) / % of bf16 GEMM peak{tag}")
         out.append(f"  {'K':>5} {'N':>5} {'M':>4} {'bf16 ms':>9} {'bf16 %pk':>8} "
                    + " ".join(f"{c:>15}" for c in cols) + "  auto/fastest")
         for r in res["linear"]:
@@ -75,7 +108,7 @@ def format_report(res: dict) -> str:
     if "reference" in res:
         ref = res["reference"]
         sm = ref["scaled_mm"]
-        out.append(f"\nreference: exact scaled_mm M={sm['M']} K={sm['K']} N={sm['N']} takes "
+        out.append(f"\nreference{tag}: exact scaled_mm M={sm['M']} K={sm['K']} N={sm['N']} takes "
                    f"{ref['scaled_mm_over_fp32_linear']:.2f} x fp32 F.linear (target <= "
                    f"{ref['target_scaled_mm_over_fp32_linear']:g}); quantize {ref['quantize']['shape'][0]}x"
                    f"{ref['quantize']['shape'][1]} bf16: {ref['quantize']['gbps']:.3f} GB/s"
@@ -88,7 +121,7 @@ def format_report(res: dict) -> str:
         else:
             ov = s.get("dispatch_overhead_s")
             om, ok_, on = s.get("overhead_shape", (s["M"], s["K"], s["N"]))
-            out.append(f"\nselector: first selection (probe + timing) at M={s['M']} K={s['K']} N={s['N']}: "
+            out.append(f"\nselector{tag}: first selection (probe + timing) at M={s['M']} K={s['K']} N={s['N']}: "
                        f"{s['first_selection_s'] * 1e3:.1f} ms; from the disk cache {s['disk_lookup_s'] * 1e3:.2f} ms"
                        + (f" (picks {s['selected_at_first_shape']})" if s.get("selected_at_first_shape") else ""))
             out.append(f"  dispatch overhead at M={om} K={ok_} N={on}: "
@@ -97,7 +130,7 @@ def format_report(res: dict) -> str:
                        + ("; below the timing noise" if ov is not None and ov < 0 else "") + ")"
                        + (f"; picks {s['selected']}" if s.get("selected") else ""))
     if res.get("conformance"):
-        out.append("\nconformance throughput:")
+        out.append(f"\nconformance throughput{tag}:")
         for c in res["conformance"]:
             if "skipped" in c or "error" in c:
                 out.append(f"  {c['backend']:12} {c.get('skipped') or c.get('error')}")

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from .._machine import cpu_flags, cpu_kind, cpu_model
+from ..kernels.cpu_fp8 import gemm_path
+from ..registry import get_backend
 from .backends import available_backends
 from .ceilings import bf16_gemm_peak, copy_bandwidth
 from .conformance import bench_conformance
@@ -20,18 +23,36 @@ from .reference import bench_reference
 from .selector import bench_selector
 from .timing import is_cuda
 
-__all__ = ["SECTIONS", "run", "machine_meta"]
+__all__ = ["SECTIONS", "KERNEL_FLAGS", "run", "machine_meta", "kernel_paths"]
 
 #: The sections of a run, in the order they run.
 SECTIONS = ("ceilings", "quant", "linear", "reference", "selector", "conformance")
 
 
+#: The CPU flags that decide kernel paths (``/proc/cpuinfo`` names), recorded with every run.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
+def kernel_paths() -> dict[str, str]:
+    """Which code path fp8ref's own CPU kernels take on this CPU, or why one cannot run: cpu-fp8's
+    path (``gemm_path``, from the CPU's flags) and whether cpu-fp8-amx runs on AMX tiles."""
+    amx = get_backend("cpu-fp8-amx").available()
+    return {"cpu-fp8": f"{gemm_path()} kernel",
+            "cpu-fp8-amx": "AMX tiles (self-test passed)" if amx is None else f"not run: {amx}"}
+
+
 def machine_meta(device: str, quick: bool) -> dict:
-    """What a run was measured on and when: date, device, torch, Python, CPUs, threads, load."""
+    """What a run was measured on and when: date, device, CPU model, kind and kernel flags, torch,
+    Python, CPUs, threads, load."""
+    flags = cpu_flags()
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "quick": quick,
+        "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(),
+        "cpu_flags": [f for f in KERNEL_FLAGS if f in flags],
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -40,6 +61,8 @@ def machine_meta(device: str, quick: bool) -> dict:
     }
     if hasattr(os, "getloadavg"):
         meta["loadavg_start"] = list(os.getloadavg())
+    if not is_cuda(device):
+        meta["kernel_paths"] = kernel_paths()
     if is_cuda(device):
         meta["gpu"] = torch.cuda.get_device_name(device)
         meta["cuda"] = torch.version.cuda

@@ -19,8 +19,9 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
-__all__ = ["PreparedWeight", "fast_quantize", "segment_scale", "check_finite", "check_mm_args", "empty_result",
-           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
+__all__ = ["PreparedWeight", "fast_quantize", "native_quant", "native_rows", "native_format_args", "segment_scale",
+           "check_finite", "check_mm_args", "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32",
+           "BIAS_NON_FINITE", "check_codes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,24 +146,34 @@ def pad_weight(data: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def native_format_args(scheme: QuantScheme) -> tuple[int, int, int, bool]:
-    """``(mantissa bits, exponent of the smallest normal, bias, has -0)`` for ``quant_rows``."""
+    """``(mantissa bits, exponent of the smallest normal, bias, has -0)`` for ``quant_blocks``."""
     f = scheme.format
     return f.mantissa_bits, int(math.log2(f.smallest_normal)), f.bias, f.has_negative_zero
 
 
-def native_rows(x: torch.Tensor, scheme: QuantScheme, mode: int):
-    """Per-row dynamic quantization of a CPU ``x`` by the extension: ``(out, scale [rows, 1],
-    amax [rows, 1])`` with ``out`` the codes (mode 0, uint8), or the FP8 values as bf16 (1) or fp32
-    (2); None where the extension or the case does not apply. ``amax`` is +inf on a row holding
-    NaN or Inf (the caller raises)."""
-    if (scheme.granularity is not Granularity.ROW or not _fast_ok(scheme) or scheme.pow2_scale
-            or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+def native_quant(x: torch.Tensor, scheme: QuantScheme, mode: int, isa: int = -1):
+    """Dynamic quantization of a CPU ``x`` by the extension, any granularity: ``(out, scale, amax)``
+    with ``out`` the codes (mode 0, uint8) or the FP8 values as bf16 (1) or fp32 (2), ``scale``
+    and ``amax`` of ``scheme.scale_shape``; None where the extension or the case does not apply.
+    ``amax`` is +inf on a block holding NaN or Inf or whose scale overflows fp32 (the caller then
+    asks the spec, which raises). ``isa`` forces a code path (0 scalar, 1 AVX2, 2 AVX-512; tests)."""
+    if (not _fast_ok(scheme) or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or x.dim() != 2 or x.numel() == 0):
         return None
     mod = native.get()
     if mod is None:
         return None
-    return mod.quant_rows(x.contiguous(), scheme.qmax, scheme.amax_floor, *native_format_args(scheme), mode, True)
+    r, c = scheme.block_shape(*x.shape)
+    return mod.quant_blocks(x.contiguous(), r, c, scheme.qmax, scheme.amax_floor, *native_format_args(scheme),
+                            scheme.pow2_scale, mode, isa)
+
+
+def native_rows(x: torch.Tensor, scheme: QuantScheme, mode: int):
+    """``native_quant`` for per-row schemes without power-of-two scales (the fused ``linear`` of
+    the wide CPU backends), else None."""
+    if scheme.granularity is not Granularity.ROW or scheme.pow2_scale:
+        return None
+    return native_quant(x, scheme, mode)
 
 
 def _fast_ok(scheme: QuantScheme) -> bool:
@@ -175,7 +186,10 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
     Computes the same expressions as the spec in the same order (amax in fp32 -- exact --,
     ``s = max(amax, floor) / qmax`` in fp32, ``x / s`` as one IEEE division, clamp, one RNE
     cast), so the codes and scales are bit-identical to ``fp8ref.quantize``; what it saves is the
-    full fp32 copy of ``x`` and the separate finiteness and saturation passes. A non-finite input
+    full fp32 copy of ``x`` and the separate finiteness and saturation passes. On a CPU with the
+    extension built, every granularity (tensor, row, 1 x G groups, R x C blocks) runs in C++
+    (``native_quant``: each block read for its amax and quantized while in cache; AVX-512, AVX2 or
+    scalar code chosen at run time); elsewhere the torch code below. A non-finite input
     still raises ``ValueError``: NaN or Inf in a block makes that block's amax non-finite, which is
     checked on the (small) amax tensor. Other schemes (static ones with their ``scale`` among them)
     go to the reference quantizer.
@@ -201,11 +215,11 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
     rows, cols = x.shape
     if x.numel() == 0 or cols == 0:
         return quant.quantize(x, scheme)
-    got = native_rows(x, scheme, 0)
+    got = native_quant(x, scheme, 0)
     if got is not None:
         codes, s, amax = got
         if not bool(torch.isfinite(amax).all()):
-            quant.check_float_input(x)
+            return quant.quantize(x, scheme)  # raises: NaN/Inf in x, or a scale that overflows
         return Quantized(codes.view(scheme.format.torch_dtype), s, scheme, 0)
     g = scheme.granularity
     if g is Granularity.ROW:

@@ -130,7 +130,7 @@ def _native_epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: 
     sa = sa.reshape(-1).expand(M).contiguous()
     sb = sb.reshape(-1).expand(N).contiguous()
     return mod.scale_epilogue(y.contiguous(), sa, sb, sa if bias is None else bias.contiguous(), bias is not None,
-                              out_dtype == torch.bfloat16)
+                              out_dtype == torch.bfloat16, -1)
 
 
 def _epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,

@@ -1,26 +1,37 @@
 """The ``cpu-fp8`` backend: a C++ kernel that reads the 1-byte FP8 weights directly (decode / small M).
 
 For a few rows (decode) a linear layer is bound by reading the weight; a bf16 copy of the weight costs
-two bytes per element, the FP8 codes one. Where the CPU has avx512_bf16, ``prepare_weight`` packs the
-``[N, K]`` E4M3FN codes as ``[N/16, K/2, 16, 2]`` (``pack_weight``), the kernel decodes 32 codes at a
-time to their exact bf16 bit patterns (one ``vdpbf16ps`` operand: 16 output columns x 2 K-steps) and
-up to 16 activation rows share each decoded vector through broadcast pairs. Every product of two FP8
-values is exact in fp32 and each addition rounds once in fp32; the epilogue ``(acc * sa) * sb +
-bias`` is fp32, and torch rounds the fp32 result once to ``out_dtype``: ``Accumulation.FP32``,
-``output_roundings=1`` (strict class). Without avx512_bf16: the codes are widened to fp16 bit patterns
-(``(c & 0x7F) << 7 | sign << 15`` is the value times 2**-8 for every finite code) and multiplied-added
-in fp32 (AVX-512 + F16C), or a scalar loop; same declaration.
+two bytes per element, the FP8 codes one. The kernel path is chosen at run time from what this CPU
+has (``gemm_path``; ``PATH_FLAGS``), never from the build machine:
+
+``packed`` (avx512_bf16)
+    ``prepare_weight`` packs the ``[N, K]`` E4M3FN codes as ``[N/16, K/2, 16, 2]`` (``pack_weight``),
+    the kernel decodes 32 codes at a time to their exact bf16 bit patterns (one ``vdpbf16ps``
+    operand: 16 output columns x 2 K-steps) and up to 16 activation rows share each decoded vector
+    through broadcast pairs.
+``avx512`` (AVX-512 + F16C, no avx512_bf16) and ``avx2`` (AVX2 + FMA + F16C)
+    The codes are widened to fp16 bit patterns (``(c & 0x7F) << 7 | sign << 15`` is the value
+    times 2**-8 for every finite code), converted with ``vcvtph2ps`` and multiplied-added in fp32
+    with lanes along K. The AVX2 kernel blocks 4 rows x 2 columns (each decoded vector used by 4
+    rows, each activation vector by 2 columns) over K chunks that stay in L1.
+``scalar``
+    A scalar loop through a 256-entry table.
+
+Every product of two FP8 values is exact in fp32 and each addition rounds once in fp32; the epilogue
+``(acc * sa) * sb + bias`` is fp32, and torch rounds the fp32 result once to ``out_dtype``:
+``Accumulation.FP32``, ``output_roundings=1`` (strict class), on every path. ``cpu-fp8-amx``
+(``fp8ref.kernels.cpu_fp8_amx``) is the same backend on AMX tiles.
 
 The C++ lives in ``fp8ref/kernels/csrc/`` (``gemm_packed.cpp``, ``gemm.cpp``; ``decode.h``); the
-same extension holds the fused per-row quantizer and scale epilogue used by ``fast_quantize``,
+same extension holds the fused quantizer and scale epilogue used by ``fast_quantize``,
 ``cpu-bf16`` and ``cpu-fp32``. ``fp8ref.kernels.native`` builds and loads it: the backend is
 available once this environment's build exists, which ``python -m fp8ref.kernels.cpu_fp8`` makes
-(about a minute on two cores), or ``FP8REF_CPU_FP8=1`` at the first availability check; never a
+(one to four minutes on two cores), or ``FP8REF_CPU_FP8=1`` at the first availability check; never a
 selection's probe or a timed call.
 
 Declines: other formats than E4M3FN, block/group scales (tensor and row only), non-CPU tensors, and
-more than ``MAX_M`` rows (``MAX_M_FALLBACK`` without avx512_bf16). The packed kernel is strict-class
-and beats bf16 ``F.linear`` up to M = 64 here, ties it at 128-256, and falls behind beyond.
+more rows than its path's limit (``MAX_M`` packed, ``MAX_M_AVX2``, ``MAX_M_FALLBACK``), beyond
+which it is compute-bound and oneDNN's GEMMs (``cpu-bf16``, ``cpu-fp32``) are faster.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import sys
 
 import torch
 
-from .._machine import cpu_flags
+from .._machine import cpu_flags, cpu_model
 from ..registry import Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
@@ -38,35 +49,62 @@ from ..spec.schemes import Granularity, QuantScheme
 from . import native
 from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fast_quantize, unwrap
 
-__all__ = ["CpuFp8Backend", "pack_weight", "main", "MAX_M", "MAX_M_FALLBACK", "PACKED_ROWS"]
+__all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "main", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
+           "PACKED_ROWS", "PATH_FLAGS"]
 
-#: Rows beyond which the packed kernel declines. On this 2-core EPYC (quiet, Llama-3.1-8B shapes) it
-#: ran at 1.45-1.8x bf16 ``F.linear``'s speed at M = 16, 1.04-1.17x at 64, 0.95-1.03x at 128,
+#: Rows beyond which the packed kernel declines. On a 2-core EPYC with avx512_bf16 (quiet, Llama-3.1-8B
+#: shapes) it ran at 1.45-1.8x bf16 ``F.linear``'s speed at M = 16, 1.04-1.17x at 64, 0.95-1.03x at 128,
 #: 0.91-0.99x at 256 and 0.70-0.86x at 1024, where oneDNN's bf16 GEMM (cpu-bf16, 0.93-1.0x) wins.
 #: The selector times buckets above 128 rows at 128 rows, so a larger limit could pick it there.
 MAX_M = 256
-#: Rows beyond which the fallback kernels (no avx512_bf16: fp16 decoding + fp32 FMAs, or scalar)
-#: decline: one core of this EPYC measured that path at 0.78-1.27x bf16 ``F.linear`` at M = 4 and
-#: 0.45x at M = 16.
+#: Rows beyond which the AVX2 kernel (CPUs without AVX-512: fp16-pattern decoding, fp32 FMAs) declines.
+#: On the 2-vCPU AVX2 EPYC it beat bf16 ``F.linear`` (which has no bf16 arithmetic there) at every M
+#: measured and fp32 ``F.linear`` up to M = 32-64 (docs/performance.md); beyond, ``cpu-fp32``
+#: (oneDNN's fp32 GEMM on the exact values, same strict class) is the faster one.
+MAX_M_AVX2 = 128
+#: Rows beyond which the other fallbacks (AVX-512 without avx512_bf16: fp16 decoding + fp32 FMAs;
+#: no AVX2: a scalar loop) decline: one core of an AVX-512 EPYC measured the first at 0.78-1.27x
+#: bf16 ``F.linear`` at M = 4 and 0.45x at M = 16.
 MAX_M_FALLBACK = 4
 #: Rows per call of the packed kernel: its activation pairs (K/2 x rows x 4 bytes) stay in L2
 #: (2 MiB at K = 4096); 1024 rows at K = 14336 (29 MiB) ran 4x slower per row than 256.
 PACKED_ROWS = 256
+#: The kernel paths, best first, and the CPU flags each needs (``/proc/cpuinfo`` names).
+PATH_FLAGS = {"packed": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx512f", "avx512bw", "f16c"),
+              "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
+_PATH_MAX_M = {"packed": MAX_M, "avx512": MAX_M_FALLBACK, "avx2": MAX_M_AVX2, "scalar": MAX_M_FALLBACK}
+#: The extension's ``fp8_e4m3_gemm`` code path numbers.
+_GEMM_ISA = {"avx512": 2, "avx2": 1, "scalar": 0}
+
 
 
 def _cpu_has_bf16_dot() -> bool:
     """avx512_bf16 (with avx512f/bw) on this CPU: asked of the loaded extension (what its packed
-    path checks), else of /proc/cpuinfo (so that ``supports`` never loads or builds anything)."""
+    path checks; remembered per loaded module), else of /proc/cpuinfo (so that ``supports`` never
+    loads or builds anything)."""
     global _has_bf16
-    if _has_bf16 is None:
-        mod = native.loaded()
-        if mod is None:
-            return {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags()  # not cached: the module may load
-        _has_bf16 = bool(mod.has_bf16_dot())
-    return _has_bf16
+    mod = native.loaded()
+    if mod is None:
+        return set(PATH_FLAGS["packed"]) <= cpu_flags()
+    if _has_bf16 is None or _has_bf16[0] is not mod:
+        _has_bf16 = (mod, bool(mod.has_bf16_dot()))
+    return _has_bf16[1]
 
 
-_has_bf16: bool | None = None
+_has_bf16: tuple[object, bool] | None = None
+
+
+def gemm_path(bf16_dot: bool = True) -> str:
+    """The kernel path cpu-fp8 runs on this CPU: ``packed`` (avx512_bf16, unless ``bf16_dot`` is
+    False), ``avx512``, ``avx2`` or ``scalar``; decided by the loaded extension's own CPU check,
+    else by /proc/cpuinfo's flags (never by the build machine)."""
+    if bf16_dot and _cpu_has_bf16_dot():
+        return "packed"
+    mod = native.loaded()
+    if mod is not None:
+        return {2: "avx512", 1: "avx2", 0: "scalar"}[int(mod.gemm_isa())]
+    flags = cpu_flags()
+    return next(p for p in ("avx512", "avx2", "scalar") if set(PATH_FLAGS[p]) <= flags)
 
 
 def pack_weight(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,34 +141,47 @@ class CpuFp8Backend(Backend):
     accumulation = Accumulation.FP32
     output_roundings = 1
     rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
-    #: use vdpbf16ps where the CPU has avx512_bf16 (else the fp16-decode + fp32 FMA path)
+    #: use vdpbf16ps where the CPU has avx512_bf16 (else the fp16-decode + fp32 FMA paths)
     bf16_dot = True
+    #: force one unpacked path (``"avx512"``, ``"avx2"``, ``"scalar"``; tests); None: the best one
+    isa: str | None = None
 
     def available(self) -> str | None:
         return native.prepare()  # builds here, and only here, when FP8REF_CPU_FP8=1 asks
 
-    @staticmethod
-    def _scheme_reason(scheme: QuantScheme, what: str) -> str | None:
+    def _scheme_reason(self, scheme: QuantScheme, what: str) -> str | None:
         if scheme.format != E4M3FN:
-            return f"cpu-fp8 decodes e4m3fn codes only; the {what} scheme is {scheme.format.name}"
+            return f"{self.name} decodes e4m3fn codes only; the {what} scheme is {scheme.format.name}"
         if scheme.granularity not in (Granularity.ROW, Granularity.TENSOR):
-            return f"cpu-fp8 takes per-row or per-tensor {what} scales, not {scheme.granularity.value}"
+            return f"{self.name} takes per-row or per-tensor {what} scales, not {scheme.granularity.value}"
         return None
 
     def supports(self, case: Case) -> str | None:
         if torch.device(case.device).type != "cpu":
-            return f"cpu-fp8 runs on CPU tensors only, the case is on {case.device}"
+            return f"{self.name} runs on CPU tensors only, the case is on {case.device}"
         scheme_reason = (self._scheme_reason(case.recipe.weight, "weight")
                          or self._scheme_reason(case.recipe.activation, "activation"))
         if scheme_reason:  # what the kernel cannot express at all comes before this CPU's M limit
             return scheme_reason
-        packed = self.bf16_dot and _cpu_has_bf16_dot()
-        if case.M > (MAX_M if packed else MAX_M_FALLBACK):
-            limit = MAX_M if packed else MAX_M_FALLBACK
-            how = "" if packed else "without avx512_bf16, "
-            return (f"{how}cpu-fp8 is a small-M kernel: M={case.M} > {limit} rows is compute-bound; use cpu-bf16 "
-                    "or cpu-fp32")
+        path = self._path()
+        limit = _PATH_MAX_M[path]
+        if case.M > limit:
+            how = "" if path == "packed" else f" ({self._why_not_packed()})"
+            return (f"cpu-fp8 runs its {path} kernel here{how}, a small-M kernel: M={case.M} > {limit} rows is "
+                    "compute-bound; use cpu-bf16 or cpu-fp32")
         return None
+
+    def _path(self) -> str:
+        """The kernel path that runs (``gemm_path``), or the one ``isa`` forces (tests)."""
+        if self.isa is not None:
+            return self.isa
+        return gemm_path(self.bf16_dot)
+
+    def _why_not_packed(self) -> str:
+        missing = [f for f in PATH_FLAGS["packed"] if f not in cpu_flags()]
+        if missing:
+            return f"this CPU ({cpu_model()}) lacks {', '.join(missing)}"
+        return "bf16_dot is off" if not self.bf16_dot else f"isa={self.isa!r} forces it"
 
     def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
         return fast_quantize(x, scheme, scale)
@@ -141,13 +192,13 @@ class CpuFp8Backend(Backend):
         if reason:
             raise ValueError(reason)
         if _nan_codes(w.data):
-            raise ValueError("the weight holds NaN codes; cpu-fp8 does not propagate NaN")
+            raise ValueError(f"the weight holds NaN codes; {self.name} does not propagate NaN")
         codes = w.data.contiguous().view(torch.uint8)
         return PreparedWeight.wrap(w, self.name, codes=codes, packed=pack_weight(codes) if self._packed() else None)
 
     def _packed(self) -> bool:
         """Whether the packed avx512_bf16 kernel runs (the CPU has the instructions; ``bf16_dot``)."""
-        return self.bf16_dot and _cpu_has_bf16_dot()
+        return self._path() == "packed"
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -158,34 +209,37 @@ class CpuFp8Backend(Backend):
             if reason:
                 raise ValueError(reason)
         if a.data.device.type != "cpu":
-            raise ValueError(f"cpu-fp8 runs on CPU tensors only, got {a.data.device}")
+            raise ValueError(f"{self.name} runs on CPU tensors only, got {a.data.device}")
         empty = empty_result(a, b, out_dtype)
         if empty is not None:
             return empty
         codes = extra.get("codes")
         if codes is None:
             if _nan_codes(b.data):
-                raise ValueError("the weight holds NaN codes; cpu-fp8 does not propagate NaN")
+                raise ValueError(f"the weight holds NaN codes; {self.name} does not propagate NaN")
             codes = b.data.contiguous().view(torch.uint8)
         if _nan_codes(a.data):
-            raise ValueError("the activations hold NaN codes; cpu-fp8 does not propagate NaN")
+            raise ValueError(f"the activations hold NaN codes; {self.name} does not propagate NaN")
         mod = native.require()
         M, N = a.data.shape[0], b.data.shape[0]
         sa = a.scale.to(torch.float32).reshape(-1).expand(M).contiguous()
         sb = b.scale.to(torch.float32).reshape(-1).expand(N).contiguous()
         b32 = bias_fp32(bias, a.data.device)
+        bias_arg = (b32 if b32 is not None else sa, b32 is not None)
+        return self._gemm(mod, a.data.contiguous().view(torch.uint8), codes, extra, sa, sb, bias_arg).to(out_dtype)
+
+    def _gemm(self, mod, codes_a: torch.Tensor, codes_b: torch.Tensor, extra: dict, sa: torch.Tensor,
+              sb: torch.Tensor, bias_arg: tuple) -> torch.Tensor:
+        """The fp32 result ``(acc * sa) * sb (+ bias)`` of the kernel path that runs here."""
+        N = codes_b.shape[0]
         if self._packed():
             packed = extra.get("packed")
             if packed is None:
-                packed = pack_weight(codes)
-            codes_a = a.data.contiguous().view(torch.uint8)
-            bias_arg = (b32 if b32 is not None else sa, b32 is not None)
+                packed = pack_weight(codes_b)
             ys = [mod.fp8_e4m3_gemm_packed(codes_a[r:r + PACKED_ROWS], *packed, N, sa[r:r + PACKED_ROWS], sb,
-                                           *bias_arg) for r in range(0, M, PACKED_ROWS)]
-            return (ys[0] if len(ys) == 1 else torch.cat(ys)).to(out_dtype)
-        y = mod.fp8_e4m3_gemm(a.data.contiguous().view(torch.uint8), codes, sa, sb,
-                              b32 if b32 is not None else sa, b32 is not None)
-        return y.to(out_dtype)
+                                           *bias_arg) for r in range(0, codes_a.shape[0], PACKED_ROWS)]
+            return ys[0] if len(ys) == 1 else torch.cat(ys)
+        return mod.fp8_e4m3_gemm(codes_a, codes_b, sa, sb, *bias_arg, _GEMM_ISA[self._path()])
 
 
 register_backend(CpuFp8Backend())
@@ -199,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"fp8ref: the cpu-fp8 kernel is unavailable: {exc}", file=sys.stderr)
         return 1
-    print(f"cpu-fp8 kernel ready: {native.library_path()} "
-          f"(avx512_bf16 dot products on this CPU: {'yes' if mod.has_bf16_dot() else 'no'})")
+    amx = mod.amx_status()
+    print(f"cpu-fp8 kernel ready: {native.library_path()}\n"
+          f"  this CPU ({cpu_model()}): cpu-fp8 runs its {gemm_path()} kernel; "
+          f"AMX tiles (cpu-fp8-amx): {'yes' if not amx else 'no, ' + amx}")
     return 0
 
 

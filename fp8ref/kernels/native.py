@@ -1,6 +1,6 @@
 """fp8ref's C++ extension for the CPU backends: its sources, its build, and whether it is loaded.
 
-The extension holds cpu-fp8's E4M3FN GEMMs and the fused per-row quantizer and scale epilogue
+The extension holds cpu-fp8's and cpu-fp8-amx's E4M3FN GEMMs and the fused quantizer and scale epilogue
 that cpu-bf16 and cpu-fp32 use when it is there. Its sources are real files in
 ``fp8ref/kernels/csrc/`` (one per job, shipped as package data), compiled with
 ``torch.utils.cpp_extension.load`` (a C++ compiler, ninja, OpenMP): about a minute on two cores.
@@ -51,8 +51,8 @@ __all__ = ["CSRC", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "ENV_BUILD", "ENV_
 #: The extension's source directory (package data).
 CSRC = Path(__file__).resolve().with_name("csrc")
 #: Translation units, one per job; bindings.cpp is the Python module.
-SOURCES = ("gemm.cpp", "gemm_packed.cpp", "quant.cpp", "epilogue.cpp", "bindings.cpp")
-HEADERS = ("fp8ref_cpu.h", "decode.h")
+SOURCES = ("gemm.cpp", "gemm_packed.cpp", "gemm_amx.cpp", "quant.cpp", "epilogue.cpp", "bindings.cpp")
+HEADERS = ("fp8ref_cpu.h", "decode.h", "amx_tiles.h")
 #: Compiler flags. -fopenmp makes ``at::parallel_for`` run on torch's intra-op threads (without it
 #: the loops run on one thread: ATen's OpenMP backend is header-only). -ffp-contract=off: GCC would
 #: otherwise fuse ``v * sb + bias`` into one FMA (one rounding instead of two), and the epilogue
@@ -254,7 +254,7 @@ def get() -> ModuleType | None:
     ``FP8REF_NATIVE=0`` gives None.
 
     Never compiles (see ``prepare``). Besides the cpu-fp8 GEMMs, the module holds the fused
-    per-row quantizer (``quant_rows``) and the scale epilogue (``scale_epilogue``) that
+    quantizer (``quant_blocks``) and the scale epilogue (``scale_epilogue``) that
     ``fast_quantize``, ``cpu-bf16`` and ``cpu-fp32`` use when it is there: same expressions in the
     same order as the spec, bit-identical results (tests/test_native.py), one pass over the data
     instead of five or six.

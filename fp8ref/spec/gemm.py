@@ -108,8 +108,29 @@ def check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dt
 
 
 #: K-tile width: operands are widened to float64 one tile at a time into reused buffers, which
-#: avoids a full float64 copy of the weight (page faults made that the dominant cost).
-_TILE = 256
+#: avoids a full float64 copy of the weight (page faults made that the dominant cost). 512 rather
+#: than 256: half the calls, each big enough for two threads (M=128, K=N=4096 on the 2-vCPU AVX2
+#: EPYC, best of 4 under load: 2.55x fp32 F.linear vs 3.15x with 256; 1024 gave 2.68x).
+_TILE = 512
+
+
+def _value_table(fmt: Fp8Format, device: torch.device) -> torch.Tensor:
+    """The float64 value of each of the 256 codes, indexed by code: torch's own FP8 -> float64
+    cast, applied once to the 256 codes (NaN codes give NaN, as the cast does)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    return codes.view(fmt.torch_dtype).to(torch.float64)
+
+
+def _widen(codes: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``codes`` (FP8, ``[rows, w]``, any strides) as float64 values, in the front of the flat
+    buffers ``idx`` (int32) and ``out`` (float64): a table lookup, the same values as the cast.
+
+    torch's element-wise FP8 -> float64 cast ran at ~0.07 G elements/s on a CPU, 45 % of the
+    reference GEMM's time; the int32 copy and the lookup together at ~0.5 G elements/s."""
+    rows, w = codes.shape
+    i = idx[: rows * w]
+    i.view(rows, w).copy_(codes.view(torch.uint8))
+    return torch.index_select(table, 0, i, out=out[: rows * w]).view(rows, w)
 
 
 def _segment_sum(a8: torch.Tensor, b8: torch.Tensor, plan: ExactPlan, bufs: dict,
@@ -127,8 +148,8 @@ def _segment_sum(a8: torch.Tensor, b8: torch.Tensor, plan: ExactPlan, bufs: dict
         pair_accs = [torch.zeros(M, N, dtype=torch.float64, device=a8.device) for _ in plan.pairs]
         for t0 in range(c0, c1, _TILE):
             t1 = min(c1, t0 + _TILE)
-            a = bufs["a"][:, : t1 - t0].copy_(a8[:, t0:t1])
-            b = bufs["b"][:, : t1 - t0].copy_(b8[:, t0:t1])
+            a = _widen(a8[:, t0:t1], bufs["table_a"], bufs["ia"], bufs["a"])
+            b = _widen(b8[:, t0:t1], bufs["table_b"], bufs["ib"], bufs["b"])
             if absolute:
                 a.abs_()
                 b.abs_()
@@ -168,8 +189,11 @@ def scaled_mm_exact(a: Quantized, b: Quantized, bias: torch.Tensor | None = None
     plan = exact_plan(a.scheme.format, b.scheme.format)
     width = min(_TILE, K)
     dev = a.data.device
-    bufs = {"a": torch.empty(M, width, dtype=torch.float64, device=dev),
-            "b": torch.empty(N, width, dtype=torch.float64, device=dev)}
+    bufs = {"a": torch.empty(M * width, dtype=torch.float64, device=dev),
+            "b": torch.empty(N * width, dtype=torch.float64, device=dev),
+            "ia": torch.empty(M * width, dtype=torch.int32, device=dev),
+            "ib": torch.empty(N * width, dtype=torch.int32, device=dev),
+            "table_a": _value_table(a.scheme.format, dev), "table_b": _value_table(b.scheme.format, dev)}
     y = torch.zeros(M, N, dtype=torch.float64, device=dev)
     n_inexact = 0
     for k0, k1 in k_segments(a, b):

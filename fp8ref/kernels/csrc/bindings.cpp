@@ -6,10 +6,19 @@
 #include "fp8ref_cpu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fp8ref's CPU kernels: cpu-fp8's E4M3FN GEMMs, the fused per-row quantizer, the scale epilogue";
-  m.def("fp8_e4m3_gemm", &fp8ref::fp8_e4m3_gemm);
+  fp8ref::amx_status();  // on a CPU with AMX: ask the OS for tile permission once, at load
+  m.doc() = "fp8ref's CPU kernels: cpu-fp8's and cpu-fp8-amx's E4M3FN GEMMs, the fused quantizer, the scale epilogue";
+  // isa (the code path; tests force one) defaults to -1, the best this CPU runs.
+  m.def("fp8_e4m3_gemm", &fp8ref::fp8_e4m3_gemm, pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("sa"),
+        pybind11::arg("sb"), pybind11::arg("bias"), pybind11::arg("has_bias"), pybind11::arg("isa") = -1);
+  m.def("gemm_isa", &fp8ref::gemm_isa);
   m.def("fp8_e4m3_gemm_packed", &fp8ref::fp8_e4m3_gemm_packed);
   m.def("has_bf16_dot", &fp8ref::has_bf16_dot);
-  m.def("quant_rows", &fp8ref::quant_rows);
-  m.def("scale_epilogue", &fp8ref::scale_epilogue);
+  m.def("amx_status", &fp8ref::amx_status);
+  m.def("fp8_e4m3_gemm_amx", &fp8ref::fp8_e4m3_gemm_amx);
+  m.def("amx_emu_tdpbf16ps", &fp8ref::amx_emu_tdpbf16ps);
+  m.def("cpu_isa", &fp8ref::cpu_isa);
+  m.def("quant_blocks", &fp8ref::quant_blocks);
+  m.def("scale_epilogue", &fp8ref::scale_epilogue, pybind11::arg("y"), pybind11::arg("sa"), pybind11::arg("sb"),
+        pybind11::arg("bias"), pybind11::arg("has_bias"), pybind11::arg("out_bf16"), pybind11::arg("isa") = -1);
 }

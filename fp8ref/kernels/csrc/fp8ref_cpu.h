@@ -4,9 +4,10 @@
 // Built by fp8ref/kernels/native.py with torch.utils.cpp_extension.load and the flags
 // -O3 -fopenmp -ffp-contract=off. The last one is load-bearing: without it GCC fuses v * s + b
 // into one FMA (one rounding instead of two), and the epilogue is no longer bit-identical to the
-// eager torch code (tests/test_native.py). Every AVX-512 function carries its own target
-// attribute and runs only after a __builtin_cpu_supports check, so one build serves every x86-64
-// CPU: the scalar loops are the fallback.
+// eager torch code (tests/test_native.py). Every AVX-512, AVX2 or AMX function carries its own
+// target attribute and runs only after a run-time check of the CPU (__builtin_cpu_supports, and for
+// AMX the kernel's permission), so one build serves every x86-64 CPU: the scalar loops are the
+// fallback.
 #pragma once
 
 // The light ATen headers, not ATen/ATen.h: every translation unit compiles in about half the time.
@@ -18,25 +19,56 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace fp8ref {
 
-// gemm.cpp: out[m, n] = (acc * 2^16) * sa[m] * sb[n] (+ bias[n]) in fp32, from E4M3FN codes.
-at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias);
+// gemm.cpp: out[m, n] = (acc * 2^16) * sa[m] * sb[n] (+ bias[n]) in fp32, from E4M3FN codes; gemm_isa()
+// is its best code path on this CPU (0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512 + F16C).
+int64_t gemm_isa();
+at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
+                         int64_t isa);
 
 // gemm_packed.cpp: the same from a weight packed as [N/16, K/2, 16, 2] (avx512_bf16 only).
 bool has_bf16_dot();
 at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                                 at::Tensor sb, at::Tensor bias, bool has_bias);
 
-// quant.cpp: per-row dynamic quantization, bit-identical to fp8ref.spec.quant.quantize.
-std::vector<at::Tensor> quant_rows(at::Tensor x, double qmax, double floor, int64_t mant, int64_t emin,
-                                   int64_t bias, bool negzero, int64_t mode, bool vector);
+// gemm_amx.cpp: the same as fp8_e4m3_gemm_packed (no 2^16) on AMX tiles, or on their emulation
+// (emulate = true, any CPU). amx_status() is "" where the real tiles can run, else why not (it asks
+// the OS for AMX permission the first time); amx_emu_tdpbf16ps runs one emulated instruction.
+std::string amx_status();
+at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
+                             at::Tensor sb, at::Tensor bias, bool has_bias, bool emulate);
+at::Tensor amx_emu_tdpbf16ps(at::Tensor c, at::Tensor a, at::Tensor b);
 
-// epilogue.cpp: out = round((y * sa[m]) * sb[n] (+ bias[n])), the eager epilogue's order.
+// quant.cpp: dynamic quantization with r x c blocks of one scale, bit-identical to
+// fp8ref.spec.quant.quantize; cpu_isa() is the best code path this CPU runs (0 scalar, 1 AVX2 + F16C,
+// 2 AVX-512), which every kernel file checks the same way.
+int64_t cpu_isa();
+std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double qmax, double floor, int64_t mant,
+                                     int64_t emin, int64_t bias, bool negzero, bool pow2, int64_t mode, int64_t isa);
+
+// epilogue.cpp: out = round((y * sa[m]) * sb[n] (+ bias[n])), the eager epilogue's order; isa as quant_blocks.
 at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
-                          bool out_bf16);
+                          bool out_bf16, int64_t isa);
+
+// The GEMMs' epilogue operands: sa [M] and sb [N] fp32, bias [N] fp32 when has_bias, contiguous.
+static inline void check_epilogue_args(const at::Tensor& sa, const at::Tensor& sb, const at::Tensor& bias,
+                                       bool has_bias, int64_t M, int64_t N) {
+  TORCH_CHECK(sa.device().is_cpu() && sb.device().is_cpu() && (!has_bias || bias.device().is_cpu()),
+              "sa, sb and bias must be CPU tensors");
+  TORCH_CHECK(sa.scalar_type() == at::kFloat && sa.is_contiguous() && sa.numel() == M, "sa must be fp32 [M]");
+  TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == N, "sb must be fp32 [N]");
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
+              "bias must be fp32 [N]");
+}
+
+// The entry points' operands are read through raw pointers: each must be a CPU tensor.
+static inline void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor, got one on ", t.device());
+}
 
 // Element i of a row of fp32 (t = 0), bf16 (t = 1) or fp16 (t = 2), widened exactly to fp32.
 static inline float load_one(const void* p, int64_t i, int t) {
@@ -57,6 +89,14 @@ __attribute__((target("avx512f,avx512bw"))) static inline __m512 load16(const vo
   const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
   if (t == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   return _mm512_cvtph_ps(h);
+}
+
+// Elements i .. i + 7 of the same, widened exactly to fp32 (AVX2 + F16C).
+__attribute__((target("avx2,f16c"))) static inline __m256 load8(const void* p, int64_t i, int t) {
+  if (t == 0) return _mm256_loadu_ps((const float*)p + i);
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+  if (t == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
 }
 
 // The bf16 bits of f, rounded to nearest even; NaN stays NaN (c10::BFloat16's rounding).

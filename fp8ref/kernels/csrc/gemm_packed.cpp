@@ -77,7 +77,8 @@ at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special,
   TORCH_CHECK(a.device().is_cpu() && pb.device().is_cpu() && special.device().is_cpu(),
               "fp8_e4m3_gemm_packed: a, pb and special must be CPU tensors");
   TORCH_CHECK(a.dtype() == at::kByte && pb.dtype() == at::kByte, "codes must be uint8 views");
-  TORCH_CHECK(a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4, "contiguous a, packed [N16, K2, 16, 2] b");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && pb.is_contiguous() && pb.dim() == 4,
+              "contiguous a, packed [N16, K2, 16, 2] b");
   const int64_t M = a.size(0), K = a.size(1), N16 = pb.size(0), K2 = pb.size(1);
   TORCH_CHECK(K2 == (K + 1) / 2 && N16 == (N + 15) / 16 && pb.size(2) == 16 && pb.size(3) == 2, "packed shape");
   TORCH_CHECK(special.dtype() == at::kByte && special.is_contiguous() && special.numel() == N16 * K2,
