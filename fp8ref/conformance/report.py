@@ -53,6 +53,16 @@ class ContractResult:
     examples_to_failure: int | None = None  #: examples run until the first failure, the failing one included
     coverage: dict | None = None  #: ``Coverage.to_dict()``: what the examples that ran covered, what was declined
 
+    def detail(self, counterexample_label: str = "", blob: bool = True) -> str:
+        """One line for a report table: the counterexample with the message and how to reproduce
+        it, else the message, else the note. ``blob=False`` drops the Hypothesis blob."""
+        if self.counterexample:
+            text = f"{counterexample_label}`{self.counterexample}`: {self.message}"
+            if self.reproduce:
+                text += f" -- reproduce: `{self.reproduce if blob else self.reproduce.partition('  # or')[0]}`"
+            return text
+        return self.message or self.note or ""
+
     @property
     def failed(self) -> bool:
         return self.status in _FAILING
@@ -181,13 +191,7 @@ class Report:
         rows = ["| contract | kind | status | examples (sweep) | declined | worst err/bound | time (s) | detail |",
                 "|---|---|---|---|---|---|---|---|"]
         for r in self.results:
-            detail = r.note or ""
-            if r.counterexample:
-                detail = f"`{r.counterexample}`: {r.message}"
-                if r.reproduce:
-                    detail += f" -- reproduce: `{r.reproduce}`"
-            elif r.message:
-                detail = r.message
+            detail = r.detail()
             rows.append(f"| {r.contract} | {r.kind} | {r.status} | {r.examples} ({r.sweep}) | {r.declined} | "
                         f"{_fmt_ratio(r.worst_ratio)} | {r.seconds:.2f} | {_md(detail)} |")
         cov = ["", "Coverage of the examples that ran:", "",

@@ -134,13 +134,7 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
         out += ["", "| contract | status | examples | declined | worst err/bound | detail |",
                 "|---|---|---|---|---|---|"]
         for r in rep.results:
-            detail = r.note or ""
-            if r.counterexample:
-                detail = f"minimal counterexample `{r.counterexample}`: {r.message}"
-                if r.reproduce:
-                    detail += f" -- reproduce: `{r.reproduce.partition('  # or')[0]}`"
-            elif r.message:
-                detail = r.message
+            detail = r.detail("minimal counterexample ", blob=False)
             if r.status in ("xfail", "xpass") and r.note:
                 detail = f"{r.note}. {detail}"
             ratio = "" if r.worst_ratio is None else f"{r.worst_ratio:.3g}"
