@@ -43,8 +43,9 @@ KNOWN_FAILURES: list[dict] = [
         "id": "torch-cpu-scaled-mm-fnuz",
         "backend": "torch",
         "applies": "torch 2.13.0+cpu; by CPU kind (fp8ref._machine.cpu_kind): amx (Intel Xeon Sapphire Rapids) "
-                   "every shape; avx512_bf16 (AMD EPYC with AVX-512) M = N = 1 only; avx2 (AMD EPYC Zen 3) never",
-        "cpu_kinds": {"amx": "every shape", "avx512_bf16": "M = N = 1", "avx2": "never"},
+                   "every shape; avx512_bf16 (AMD EPYC with AVX-512) M = N = 1 only; avx512 (Intel Xeon Ice Lake, "
+                   "AVX-512 without BF16, 2026-12-01) never; avx2 (AMD EPYC Zen 3) never",
+        "cpu_kinds": {"amx": "every shape", "avx512_bf16": "M = N = 1", "avx512": "never", "avx2": "never"},
         "what": "torch._scaled_mm raises RuntimeError 'itensor_view_from_dense expects float/bfloat16/half/int8/fp8 "
                 "tensor inputFloat8_e4m3fnuz' for E4M3FNUZ operands (E4M3FN and E5M2 work)",
         "link": None,
