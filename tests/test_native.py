@@ -403,3 +403,31 @@ def test_entry_points_guard_their_operands(mod):
                     torch.zeros(16, 32, dtype=torch.bfloat16))  # 17 rows: the tile would fault
     _raises_runtime(mod.amx_emu_tdpbf16ps, torch.zeros(2, 2), torch.zeros(2, 4, dtype=torch.bfloat16).view(-1),
                     torch.zeros(2, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
+def test_native_quant_every_midpoint(mod, fmt, isa):
+    """The rounding step alone, on every FP8 rounding boundary: fp32 rows whose amax is qmax (so the
+    scale is exactly 1 and x / s = x) holding each midpoint between neighbouring FP8 values
+    (subnormal ones and binade edges included), the grid values themselves, and their fp32
+    neighbours 1, 2 and 64 ulps either side, both signs. The vector bodies round by adding a power
+    of two (quant.cpp, MagicRound); a tie broken the wrong way or a carry lost shows here."""
+    level = _isa(mod, isa)
+    f = FORMATS[fmt]
+    grid = torch.arange(256, dtype=torch.uint8).view(f.torch_dtype).to(torch.float32)
+    grid = torch.unique(grid[torch.isfinite(grid) & (grid >= 0)])
+    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32: FP8 values have few significant bits
+    base = torch.cat([grid, mids])
+    bits = base.view(torch.int32)
+    near = [base] + [(bits + d).clamp(min=0).view(torch.float32) for d in (-64, -2, -1, 1, 2, 64)]
+    vals = torch.cat(near)
+    vals = vals[vals <= f.max]
+    vals = torch.cat([vals, -vals])
+    cols = 256
+    pad = (-vals.numel()) % (cols - 1)
+    vals = torch.cat([vals, torch.zeros(pad)]).reshape(-1, cols - 1)
+    x = torch.cat([torch.full((vals.shape[0], 1), f.max), vals], dim=1)  # amax = qmax in every row
+    scheme = QuantScheme(format=fmt)
+    assert bool((quant.quantize(x, scheme).scale == 1).all())
+    _check_native_quant(x.contiguous(), scheme, level)
