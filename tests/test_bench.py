@@ -407,3 +407,23 @@ def test_linear_auto_runs_and_names_its_choice(monkeypatch):
     auto = row["backends"]["auto"]
     assert auto["selected"] == "reference" and auto["weight"] == "pre-quantized" and auto["seconds"] > 0
     assert auto["precision"] == fp8ref.select.DEFAULT_PRECISION
+
+
+def test_interpreted_triton_is_left_out_of_the_bench_unless_named(monkeypatch):
+    """Under TRITON_INTERPRET=1 the triton backend is available (CI certifies it that way) but an
+    interpreted call at benchmark shapes takes minutes: `fp8ref bench` leaves it out with the
+    reason, and still times it when the user names it."""
+    pytest.importorskip("triton")
+    from fp8ref.bench.backends import available_backends
+    from fp8ref.registry import backends as registered
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not next(i for i in registered() if i.name == "triton").available:
+        pytest.skip("the triton backend is unavailable here")
+    names, skipped = available_backends("cpu")
+    assert "triton" not in names
+    assert "Triton's CPU interpreter" in skipped["triton"] and "--backend triton" not in skipped["triton"] and "--backend" in skipped["triton"]
+    names, skipped = available_backends("cpu", ["triton"])
+    assert names == ["triton"] and "triton" not in skipped
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "not timed" not in available_backends("cpu")[1].get("triton", "")

@@ -17,7 +17,10 @@ def available_backends(device: str, only: Sequence[str] | None = None) -> tuple[
 
     A backend counts if it is available and takes at least one of a few cases on ``device``
     (M = 1, 16, 1024; some kernels are for small or large M only); which cases it takes is
-    asked again per benchmark.
+    asked again per benchmark. A backend whose optional ``bench_skip_reason`` hint is set (the
+    triton backend under Triton's CPU interpreter, where one quantization of the default
+    [1024, 4096] activation ran for over ten minutes with no output) is left out with that reason
+    unless ``only`` names it.
     """
     names, skipped = [], {}
     dev_type = torch.device(device).type
@@ -27,6 +30,10 @@ def available_backends(device: str, only: Sequence[str] | None = None) -> tuple[
             continue
         if not info.available:
             skipped[info.name] = f"unavailable: {info.reason}"
+            continue
+        hint = getattr(get_backend(info.name), "bench_skip_reason", None)  # optional: third-party backends
+        if hint and (only is None or info.name not in only):
+            skipped[info.name] = f"not timed: {hint} (name it with --backend to time it anyway)"
             continue
         reasons = []
         for case in probes:

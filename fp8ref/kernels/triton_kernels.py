@@ -261,6 +261,14 @@ class TritonBackend(Backend):
         return 8 if interpreting() else None
 
     @property
+    def bench_skip_reason(self) -> str | None:
+        """Why ``fp8ref bench`` leaves this backend out by default: under the interpreter every
+        program runs as numpy in Python, a correctness vehicle whose times say nothing about the
+        kernel (one [1024, 4096] quantization ran for over ten minutes on a 2-vCPU Xeon)."""
+        return ("it runs in Triton's CPU interpreter (TRITON_INTERPRET=1): Python, minutes per call at "
+                "benchmark shapes, and its times say nothing about the kernel") if interpreting() else None
+
+    @property
     def accumulation(self) -> Accumulation:  # type: ignore[override]
         if torch.cuda.is_available() and not interpreting():
             return CUDA_ACCUMULATION
