@@ -422,7 +422,7 @@ def test_interpreted_triton_is_left_out_of_the_bench_unless_named(monkeypatch):
         pytest.skip("the triton backend is unavailable here")
     names, skipped = available_backends("cpu")
     assert "triton" not in names
-    assert "Triton's CPU interpreter" in skipped["triton"] and "--backend triton" not in skipped["triton"] and "--backend" in skipped["triton"]
+    assert "Triton's CPU interpreter" in skipped["triton"] and "--backend" in skipped["triton"]
     names, skipped = available_backends("cpu", ["triton"])
     assert names == ["triton"] and "triton" not in skipped
     monkeypatch.setenv("TRITON_INTERPRET", "0")
