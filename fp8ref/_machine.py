@@ -2,7 +2,10 @@
 
 The machines fp8ref is built, tested and benchmarked on change from run to run (an AMD EPYC with
 AVX2 only, one with AVX-512 BF16, an Intel Xeon with AMX), and third-party kernels behave
-differently on each, so figures, cache keys and known failures name the CPU kind.
+differently on each, so figures, cache keys and known failures name the CPU kind. The kind
+alone does not pin upstream behaviour down: two AMD EPYCs of kind ``avx512_bf16`` (Zen 4, family
+25; Zen 5, family 26) run torch._scaled_mm on E4M3FNUZ differently, so records of a third party's
+behaviour on a CPU match its ``cpu_signature`` (vendor, family, model) as well.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import platform
 from functools import cache
 
-__all__ = ["cpu_model", "cpu_flags", "cpu_kind"]
+__all__ = ["cpu_model", "cpu_flags", "cpu_kind", "cpu_signature"]
 
 
 @cache
@@ -52,3 +55,28 @@ def cpu_kind() -> str:
     if "avx2" in flags:
         return "avx2"
     return "other"
+
+
+def cpu_signature() -> dict[str, object]:
+    """What identifies this CPU's design: ``vendor`` (``/proc/cpuinfo``'s vendor_id, e.g.
+    ``AuthenticAMD``), ``family`` and ``model`` (ints, None where unreadable) and ``kind``.
+
+    AMD's families name its generations (25: Zen 3 and Zen 4, 26: Zen 5); Intel's server parts
+    are all family 6 and the model tells them apart (106: Ice Lake, 143: Sapphire Rapids).
+
+    Examples
+    --------
+    >>> from fp8ref._machine import cpu_signature
+    >>> sorted(cpu_signature())
+    ['family', 'kind', 'model', 'vendor']
+    """
+    fields = _cpuinfo_fields()
+
+    def number(key: str) -> int | None:
+        try:
+            return int(fields[key])
+        except (KeyError, ValueError):
+            return None
+
+    return {"vendor": fields.get("vendor_id") or platform.machine(), "family": number("cpu family"),
+            "model": number("model"), "kind": cpu_kind()}

@@ -42,10 +42,21 @@ KNOWN_FAILURES: list[dict] = [
     {
         "id": "torch-cpu-scaled-mm-fnuz",
         "backend": "torch",
-        "applies": "torch 2.13.0+cpu; by CPU kind (fp8ref._machine.cpu_kind): amx (Intel Xeon Sapphire Rapids) "
-                   "every shape; avx512_bf16 (AMD EPYC with AVX-512) M = N = 1 only; avx512 (Intel Xeon Ice Lake, "
-                   "AVX-512 without BF16, 2026-12-01) never; avx2 (AMD EPYC Zen 3) never",
-        "cpu_kinds": {"amx": "every shape", "avx512_bf16": "M = N = 1", "avx512": "never", "avx2": "never"},
+        "applies": "torch 2.13.0+cpu; by CPU (fp8ref._machine.cpu_signature: kind, vendor, family, model): Intel "
+                   "Xeon Sapphire Rapids (amx) every shape; AMD EPYC Zen 4 (avx512_bf16, family 25) M = N = 1 "
+                   "only; AMD EPYC Zen 5 (avx512_bf16, family 26, 2026-12-01) never; Intel Xeon Ice Lake (avx512, "
+                   "2026-12-01) never; AMD EPYC Zen 3 (avx2) never",
+        # One record per CPU design seen, matched on every key it names (a missing key matches any
+        # value). The kind alone is not enough: Zen 4 and Zen 5 are both avx512_bf16 and differ.
+        # Zen 4's model was not recorded when it was seen; it is the only family-25 EPYC with
+        # avx512_bf16 (Zen 3, also family 25, has no AVX-512), so kind + family name it.
+        "cpus": [
+            {"kind": "amx", "vendor": "GenuineIntel", "family": 6, "model": 143, "raises": "every shape"},
+            {"kind": "avx512_bf16", "vendor": "AuthenticAMD", "family": 25, "raises": "M = N = 1"},
+            {"kind": "avx512_bf16", "vendor": "AuthenticAMD", "family": 26, "raises": "never"},
+            {"kind": "avx512", "vendor": "GenuineIntel", "family": 6, "model": 106, "raises": "never"},
+            {"kind": "avx2", "vendor": "AuthenticAMD", "family": 25, "raises": "never"},
+        ],
         "what": "torch._scaled_mm raises RuntimeError 'itensor_view_from_dense expects float/bfloat16/half/int8/fp8 "
                 "tensor inputFloat8_e4m3fnuz' for E4M3FNUZ operands (E4M3FN and E5M2 work)",
         "link": None,

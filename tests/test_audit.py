@@ -245,6 +245,16 @@ def test_paired_model_drift_needs_more_than_noise():
     # Twelve flip: drift.
     twelve = audit([1] * 48 + [0] * 16, base.model.token_nll)
     assert [i.metric for i in compare_audits(base, twelve).items] == ["top-1 agreement"]
+    # 128 tokens, four lost and none gained (-3.1 %, 2.02 standard errors): the sign test's p = 1/16
+    # is noise. Six lost (p = 1/64 < 2.3 %): drift. Six lost and two gained (p = 37/256): noise.
+    nll = [2.0 + 0.5 * (i % 7) for i in range(128)]
+    base128 = audit([1] * 114 + [0] * 14, nll)
+    lost4 = audit([1] * 110 + [0] * 18, nll)
+    assert not compare_audits(base128, lost4).drifted
+    lost6 = audit([1] * 108 + [0] * 20, nll)
+    assert [i.metric for i in compare_audits(base128, lost6).items] == ["top-1 agreement"]
+    lost6_gained2 = audit([1] * 108 + [0] * 18 + [1] * 2, nll)
+    assert not compare_audits(base128, lost6_gained2).drifted
     # Every token's NLL up by 0.05 nats: perplexity +5.1 %, with no noise at all.
     worse = audit(base.model.token_top1, [v + 0.05 for v in base.model.token_nll])
     items = compare_audits(base, worse).items

@@ -1,7 +1,7 @@
 """The ``torch`` backends decline what ``torch._scaled_mm`` cannot do on this machine (issue 10).
 
 torch 2.13.0+cpu raises for E4M3FNUZ operands on some CPUs (every shape on an AMX Xeon, M = N = 1
-on an AVX-512 EPYC) and computes them on others (an AVX2 EPYC). The backends decide it with a
+on a Zen 4 EPYC) and computes them on others (Zen 3 and Zen 5 EPYCs, an Ice Lake Xeon). The backends decide it with a
 trial call; these tests hold them to "accept => compute within the bound, else decline with
 torch's message", on whatever CPU runs them.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref._machine import cpu_kind, cpu_model
+from fp8ref._machine import cpu_kind, cpu_model, cpu_signature
 from fp8ref.conformance import check_contract
 from fp8ref.conformance import strategies as fst
 from fp8ref.kernels import torch_mm
@@ -119,18 +119,20 @@ def _ledger_entry() -> dict:
 
 @pytest.mark.parametrize(("M", "N", "K"), SHAPES)
 def test_upstream_fnuz_behaviour_on_this_cpu(M, N, K):
-    """The ledger's record of torch._scaled_mm on E4M3FNUZ, per CPU kind: where it says the call
+    """The ledger's record of torch._scaled_mm on E4M3FNUZ, per CPU design: where it says the call
     raises, this is a strict expected failure (a PyTorch fix turns it into a failure that forces the
-    entry's update); where it says it runs, it must run; an unrecorded CPU kind is reported."""
+    entry's update); where it says it runs, it must run; an unrecorded CPU design is reported."""
     if torch.__version__.split("+")[0] != "2.13.0":
         pytest.skip(f"the ledger records torch 2.13.0, this is {torch.__version__}")
     entry = _ledger_entry()
-    kind = cpu_kind()
-    recorded = entry["cpu_kinds"].get(kind)
+    sig = cpu_signature()
+    records = [c for c in entry["cpus"] if all(sig.get(k) == v for k, v in c.items() if k != "raises")]
     err = _direct_scaled_mm_error(M, N, K)
-    if recorded is None:
-        pytest.skip(f"{cpu_model()} ({kind}) is not in the ledger; here torch._scaled_mm "
+    if not records:
+        pytest.skip(f"{cpu_model()} ({sig}) is not in the ledger; here torch._scaled_mm "
                     f"{'raises: ' + err if err else 'runs'} at M={M}, N={N}")
+    assert len(records) == 1, f"ledger torch-cpu-scaled-mm-fnuz: {len(records)} records match {sig}: {records}"
+    recorded, kind = records[0]["raises"], f"{sig['kind']}, {sig['vendor']} family {sig['family']}"
     expect_raise = recorded == "every shape" or (recorded == "M = N = 1" and M == N == 1)
     if expect_raise:
         assert err is not None, (f"{cpu_model()} ({kind}): torch._scaled_mm now runs E4M3FNUZ at M={M}, N={N}: "

@@ -86,9 +86,36 @@ def _paired(a: list, b: list) -> tuple[float, float] | None:
     return float(d.mean()), float(d.std()) / math.sqrt(d.numel())
 
 
+def _flips(a: list, b: list) -> tuple[int, int, int] | None:
+    """(tokens agreeing before and not after, the reverse, tokens) for the same tokens' top-1 flags."""
+    if len(a) != len(b) or len(a) < 2:
+        return None
+    lost = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    gained = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+    return lost, gained, len(a)
+
+
+def _sign_test_p(lost: int, gained: int) -> float:
+    """One-sided exact sign (McNemar) test: P(X >= lost) for X ~ Binomial(lost + gained, 1/2), the
+    chance that flips as lopsided as these come from two equally good backends.
+
+    Top-1 agreement is a 0/1 flag per token, so only the flipped tokens carry information; the
+    normal approximation (mean over standard error of the per-token differences) is poor when few
+    tokens flip: four flips out of 128, all one way, pass it at 2.02 standard errors, yet even
+    odds give that pattern once in 16 runs (issue 10's flaky SmolLM2 drift on an AVX-512 EPYC)."""
+    n = lost + gained
+    return sum(math.comb(n, k) for k in range(lost, n + 1)) / 2**n if n else 1.0
+
+
+def _one_sided_alpha(sigmas: float) -> float:
+    """The one-sided normal tail beyond ``sigmas`` (2 -> 0.0228): the sign test's significance level."""
+    return 0.5 * math.erfc(sigmas / math.sqrt(2.0))
+
+
 def _model_drift(items: list[DriftItem], ma, mb, th: Thresholds) -> None:
-    """Perplexity, KL and top-1 drift; paired over tokens (with a noise floor of ``drift_sigmas``
-    standard errors) when both audits kept per-token values of the same length."""
+    """Perplexity, KL and top-1 drift; paired over tokens when both audits kept per-token values of
+    the same length (NLL and KL: a noise floor of ``drift_sigmas`` standard errors of the
+    differences; top-1: the exact sign test on the flipped tokens at the same one-sided level)."""
     p = _paired(ma.token_nll, mb.token_nll)
     if p is None:
         _worse(items, "<model>", "perplexity", ma.ppl_fp8, mb.ppl_fp8, th.drift_ppl_rel, True, relative=True)
@@ -101,12 +128,15 @@ def _model_drift(items: list[DriftItem], ma, mb, th: Thresholds) -> None:
         _worse(items, "<model>", "mean KL", ma.kl_mean, mb.kl_mean, th.drift_kl, True)
     elif p[0] > th.drift_kl and p[0] > th.drift_sigmas * p[1]:
         items.append(DriftItem("<model>", "mean KL", ma.kl_mean, mb.kl_mean, p[0], th.drift_kl))
-    p = _paired(ma.token_top1, mb.token_top1)
-    if p is None:
+    flips = _flips(ma.token_top1, mb.token_top1)
+    if flips is None:
         _worse(items, "<model>", "top-1 agreement", ma.top1_agreement, mb.top1_agreement, th.drift_top1, False)
-    elif -p[0] > th.drift_top1 and -p[0] > th.drift_sigmas * p[1]:
-        items.append(DriftItem("<model>", "top-1 agreement", ma.top1_agreement, mb.top1_agreement, p[0],
-                               th.drift_top1))
+    else:
+        lost, gained, n = flips
+        change = (gained - lost) / n
+        if -change > th.drift_top1 and _sign_test_p(lost, gained) < _one_sided_alpha(th.drift_sigmas):
+            items.append(DriftItem("<model>", "top-1 agreement", ma.top1_agreement, mb.top1_agreement, change,
+                                   th.drift_top1))
 
 
 def compare_audits(before: BackendAudit, after: BackendAudit, thresholds: Thresholds | None = None,
@@ -121,7 +151,9 @@ def compare_audits(before: BackendAudit, after: BackendAudit, thresholds: Thresh
     (relative), mean KL by more than ``drift_kl``, top-1 agreement drops by more than
     ``drift_top1``, or the embedding cosine / NN agreement drop past theirs. When both audits
     kept per-token values of the same tokens, perplexity, KL and top-1 are compared pairwise and
-    must also move by more than ``drift_sigmas`` standard errors of the per-token differences.
+    must also move by more than ``drift_sigmas`` standard errors of the per-token differences (for
+    top-1 agreement, a 0/1 flag per token: an exact sign test on the flipped tokens at the same
+    one-sided level, 2.3 % for 2 sigmas).
 
     Examples
     --------

@@ -90,7 +90,8 @@ class Thresholds:
     drift_sigmas : float
         When both audits scored the same tokens, a model-metric change must also exceed this
         many standard errors of the paired per-token differences (a few flipped tokens out of
-        64 are noise, not drift).
+        64 are noise, not drift); top-1 agreement uses the exact sign test on the flipped
+        tokens at the same one-sided level (2 -> 2.3 %).
     drift_cosine : float
         Drift: mean embedding cosine drops by more than this.
     drift_nn : float

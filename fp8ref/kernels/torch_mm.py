@@ -19,7 +19,7 @@ Numerics (checked against the spec by tests/test_kernels.py):
 
 What ``torch._scaled_mm`` accepts differs between CPUs and torch versions (torch 2.13.0+cpu raises
 "itensor_view_from_dense expects ... Float8_e4m3fnuz" for E4M3FNUZ operands at every shape on an
-AMX Xeon and at M = N = 1 on an AVX-512 EPYC, and computes them on an AVX2 EPYC), so no list of
+AMX Xeon and at M = N = 1 on a Zen 4 EPYC, and computes them on Zen 3 and Zen 5 EPYCs), so no list of
 unsupported cases is written down here: ``supports`` runs the backend's own call once on zero
 operands of a tiny shape of the same *class* (formats, scale granularity, output dtype, bias, M
 and N capped at 3, K at 32 plus its residue mod 16) and declines, with torch's message as the
