@@ -5,9 +5,11 @@
 // vdpbf16ps operand holding 16 output columns x 2 K-steps. Each activation row contributes a
 // broadcast (a[m, 2p], a[m, 2p + 1]) pair, and up to 16 rows share each decoded vector: every
 // weight code is decoded once per 16 rows, and the 16 accumulators are output columns (no
-// horizontal sums). Each lane accumulates its column's products in K order, two per instruction,
-// one fp32 rounding per addition (products of FP8 values are exact in fp32, and partial sums are
-// multiples of 2^-18: never subnormal, so the instruction's DAZ/FTZ never acts).
+// horizontal sums). Each lane accumulates its column's products two per instruction, one fp32
+// rounding per addition, into CH chains per row (K-step p into chain p % CH, the chains added at
+// the end: still K - 1 additions per output at most, so the fp32-accumulation bound holds);
+// products of FP8 values are exact in fp32, and partial sums are multiples of 2^-18: never
+// subnormal, so the instruction's DAZ/FTZ never acts.
 #include <algorithm>
 
 #include "decode.h"
@@ -24,40 +26,64 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dpbf16_bcast(
   asm("vdpbf16ps %[a]%{1to16%}, %[b], %[acc]" : [acc] "+v"(acc) : [b] "v"(b), [a] "m"(*a));
 }
 
-template <int MM>
+// Bytes of packed weight prefetched ahead of the K-step being decoded (each K-step reads 32). On
+// the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N = 4096, 14336) the hardware
+// prefetcher alone left M = 8..16 rows waiting on memory: 4.7-4.8 ms at M = 16 without, 3.0-3.4
+// with 2048 bytes, 3.8 with 512; 4096 was no better (docs/performance.md).
+constexpr int64_t kPrefetch = 2048;
+template <int MM, int CH>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const uint32_t* apair, int64_t lda,
                                                                           int64_t K2, const uint8_t* pb,
                                                                           const uint8_t* special, float* out,
                                                                           int64_t ldo) {
-  __m512 s[MM];
+  // CH independent accumulator chains per row, K-step p feeding chain p % CH: vdpbf16ps has a
+  // latency of several cycles, so one chain per row leaves a few rows waiting on it.
+  __m512 s[CH][MM];
 #pragma GCC unroll 16
-  for (int i = 0; i < MM; ++i) s[i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < K2; ++p) {
+  for (int c = 0; c < CH; ++c)
+#pragma GCC unroll 16
+    for (int i = 0; i < MM; ++i) s[c][i] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + CH <= K2; p += CH) {
+    _mm_prefetch((const char*)(pb + p * 32 + kPrefetch), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c) {
+      const int64_t q = p + c;
+      const __m512bh bv = (__m512bh)(special[q] ? decode32_bf16(pb + q * 32) : decode32_bf16_normal(pb + q * 32));
+#pragma GCC unroll 16
+      for (int i = 0; i < MM; ++i) dpbf16_bcast(s[c][i], bv, apair + q * lda + i);
+    }
+  }
+  for (; p < K2; ++p) {
     const __m512bh bv = (__m512bh)(special[p] ? decode32_bf16(pb + p * 32) : decode32_bf16_normal(pb + p * 32));
 #pragma GCC unroll 16
-    for (int i = 0; i < MM; ++i) dpbf16_bcast(s[i], bv, apair + p * lda + i);
+    for (int i = 0; i < MM; ++i) dpbf16_bcast(s[0][i], bv, apair + p * lda + i);
   }
+#pragma GCC unroll 8
+  for (int c = 1; c < CH; ++c)
 #pragma GCC unroll 16
-  for (int i = 0; i < MM; ++i) _mm512_storeu_ps(out + i * ldo, s[i]);
+    for (int i = 0; i < MM; ++i) s[0][i] = _mm512_add_ps(s[0][i], s[c][i]);
+#pragma GCC unroll 16
+  for (int i = 0; i < MM; ++i) _mm512_storeu_ps(out + i * ldo, s[0][i]);
 }
 
 // apair is [K2][M] (p-major): the rows' pairs for one K-step share a cache line.
 void packed_rows(const uint32_t* apair, int64_t M, int64_t K2, const uint8_t* pb, const uint8_t* sp, float* out,
                  int64_t ldo) {
   int64_t m = 0;
-  for (; m + 16 <= M; m += 16) packed_block<16>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
-  for (; m + 8 <= M; m += 8) packed_block<8>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
+  for (; m + 16 <= M; m += 16) packed_block<16, 1>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
+  for (; m + 8 <= M; m += 8) packed_block<8, 2>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
   const uint32_t* ap = apair + m;
   float* op = out + m * ldo;
   switch (M - m) {
     case 0: break;
-    case 1: packed_block<1>(ap, M, K2, pb, sp, op, ldo); break;
-    case 2: packed_block<2>(ap, M, K2, pb, sp, op, ldo); break;
-    case 3: packed_block<3>(ap, M, K2, pb, sp, op, ldo); break;
-    case 4: packed_block<4>(ap, M, K2, pb, sp, op, ldo); break;
-    case 5: packed_block<5>(ap, M, K2, pb, sp, op, ldo); break;
-    case 6: packed_block<6>(ap, M, K2, pb, sp, op, ldo); break;
-    default: packed_block<7>(ap, M, K2, pb, sp, op, ldo); break;
+    case 1: packed_block<1, 8>(ap, M, K2, pb, sp, op, ldo); break;
+    case 2: packed_block<2, 4>(ap, M, K2, pb, sp, op, ldo); break;
+    case 3: packed_block<3, 4>(ap, M, K2, pb, sp, op, ldo); break;
+    case 4: packed_block<4, 4>(ap, M, K2, pb, sp, op, ldo); break;
+    case 5: packed_block<5, 2>(ap, M, K2, pb, sp, op, ldo); break;
+    case 6: packed_block<6, 2>(ap, M, K2, pb, sp, op, ldo); break;
+    default: packed_block<7, 2>(ap, M, K2, pb, sp, op, ldo); break;
   }
 }
 
