@@ -292,6 +292,22 @@ def test_packed_fast_decoding_equals_table_decoding(mod):
     assert bool(((y_fast.to(torch.float64) - ref).abs() <= bound).all())
 
 
+def test_has_nan_e4m3_finds_each_nan_code_anywhere(mod):
+    """Both NaN codes at every position of a 64-code vector block and of the scalar tail (n = 150),
+    and none of the other 254 codes, against the torch check it replaced."""
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    base = finite.repeat(2)[:150].contiguous()
+    assert not mod.has_nan_e4m3(base) and not cpu_fp8._nan_codes(base.view(torch.float8_e4m3fn))
+    for nan in (0x7F, 0xFF):
+        for i in range(150):
+            c = base.clone()
+            c[i] = nan
+            assert mod.has_nan_e4m3(c), (nan, i)
+    assert not mod.has_nan_e4m3(torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        mod.has_nan_e4m3(base.view(10, 15).t())
+
+
 def test_packed_gemm_within_fp32_bound_at_every_row_count(mod):
     """Row counts 1..17 and 33 (blocks of 16, 8 and every remainder), odd N and K (padding), bias."""
     be = fp8ref.get_backend("cpu-fp8")

@@ -59,6 +59,10 @@ CASES = [
      "mod.fp8_e4m3_gemm_packed(c(16), c(1, 8, 16, 2), c(1, 8), 16, v(1), v(16), v(16), False)"),
     ("packed shape", "packed shape|avx512_bf16",
      "mod.fp8_e4m3_gemm_packed(c(4, 16), c(1, 7, 16, 2), c(1, 7), 16, v(4), v(16), v(16), False)"),
+    # has_nan_e4m3: reads every byte of what it is given
+    ("nan scan empty", "", "ok(not mod.has_nan_e4m3(c(0)))"),
+    ("nan scan strided", "contiguous uint8", "mod.has_nan_e4m3(c(16, 4).t())"),
+    ("nan scan fp32", "contiguous uint8", "mod.has_nan_e4m3(z(16))"),
     # quant_blocks (1 x 16 blocks): the format parameters drive shifts and a division
     ("quant M=0", "", "out, s, a = QB(z(0, 16), 1, 16, 448.0, 1e-12, 3, -6, 7, True, False, 0, -1); "
                       "ok(out.shape == (0, 16))"),

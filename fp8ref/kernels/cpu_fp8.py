@@ -122,8 +122,14 @@ def pack_weight(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _nan_codes(codes: torch.Tensor) -> bool:
-    """E4M3FN's NaN codes (0x7F, 0xFF): the kernel's decoding would read them as 480."""
-    return bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any())
+    """E4M3FN's NaN codes (0x7F, 0xFF): the kernel's decoding would read them as 480. One scan in
+    the extension where it is loaded (the three torch ops it replaces cost ~60 us per call on the
+    activations at M = 16, K = 4096: 5 % of the call), else torch."""
+    mod = native.loaded()
+    u8 = codes.contiguous().view(torch.uint8)
+    if mod is not None:
+        return bool(mod.has_nan_e4m3(u8))
+    return bool(((u8 & 0x7F) == 0x7F).any())
 
 
 class CpuFp8Backend(Backend):

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_isa", &fp8ref::gemm_isa);
   m.def("fp8_e4m3_gemm_packed", &fp8ref::fp8_e4m3_gemm_packed);
   m.def("has_bf16_dot", &fp8ref::has_bf16_dot);
+  m.def("has_nan_e4m3", &fp8ref::has_nan_e4m3);
   m.def("amx_status", &fp8ref::amx_status);
   m.def("fp8_e4m3_gemm_amx", &fp8ref::fp8_e4m3_gemm_amx);
   m.def("amx_emu_tdpbf16ps", &fp8ref::amx_emu_tdpbf16ps);

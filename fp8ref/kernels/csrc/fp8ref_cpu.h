@@ -30,8 +30,10 @@ int64_t gemm_isa();
 at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
                          int64_t isa);
 
-// gemm_packed.cpp: the same from a weight packed as [N/16, K/2, 16, 2] (avx512_bf16 only).
+// gemm_packed.cpp: the same from a weight packed as [N/16, K/2, 16, 2] (avx512_bf16 only);
+// has_nan_e4m3: whether contiguous uint8 E4M3FN codes hold a NaN code (any CPU).
 bool has_bf16_dot();
+bool has_nan_e4m3(at::Tensor codes);
 at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                                 at::Tensor sb, at::Tensor bias, bool has_bias);
 
