@@ -301,9 +301,12 @@ def test_cli_bench_writes_json(tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert [r["M"] for r in res["linear"]] == [1, 2] and res["meta"]["torch_threads"] == 1
-    from fp8ref._machine import cpu_kind, cpu_model
+    from fp8ref._machine import cpu_kind, cpu_model, cpu_signature
 
     assert res["meta"]["cpu_model"] == cpu_model() and res["meta"]["cpu_kind"] == cpu_kind()
+    sig = cpu_signature()
+    assert (res["meta"]["cpu_vendor"], res["meta"]["cpu_family"], res["meta"]["cpu_model_number"]) == (
+        sig["vendor"], sig["family"], sig["model"])
     from fp8ref.kernels.cpu_fp8 import gemm_path
 
     assert res["meta"]["kernel_paths"]["cpu-fp8"] == f"{gemm_path()} kernel"

@@ -52,7 +52,9 @@ def format_report(res: dict) -> str:
                f"{meta.get('cpu_count')} CPUs, {meta.get('torch_threads')} threads, {meta.get('date_utc')}"
                f"{', quick' if meta.get('quick') else ''})")
     if "cpu_model" in meta:
-        out.append(f"CPU: {meta['cpu_model']} (kind {meta.get('cpu_kind')}; kernel flags: "
+        design = (f"{meta['cpu_vendor']} family {meta.get('cpu_family')} model {meta.get('cpu_model_number')}; "
+                  if "cpu_vendor" in meta else "")
+        out.append(f"CPU: {meta['cpu_model']} (kind {meta.get('cpu_kind')}; {design}kernel flags: "
                    f"{' '.join(meta.get('cpu_flags', [])) or 'none'})")
     if meta.get("kernel_paths"):
         out.append("kernel paths: " + "; ".join(f"{k}: {v}" for k, v in meta["kernel_paths"].items()))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._machine import cpu_flags, cpu_kind, cpu_model
+from .._machine import cpu_flags, cpu_kind, cpu_model, cpu_signature
 from ..kernels.cpu_fp8 import gemm_path
 from ..registry import get_backend
 from .backends import available_backends
@@ -43,15 +43,20 @@ def kernel_paths() -> dict[str, str]:
 
 
 def machine_meta(device: str, quick: bool) -> dict:
-    """What a run was measured on and when: date, device, CPU model, kind and kernel flags, torch,
-    Python, CPUs, threads, load."""
+    """What a run was measured on and when: date, device, CPU model, kind, vendor, family and model
+    number (two CPUs of one kind and model name, a Zen 4 and a Zen 5 "AMD EPYC", differ), kernel
+    flags, torch, Python, CPUs, threads, load."""
     flags = cpu_flags()
+    sig = cpu_signature()
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "quick": quick,
         "cpu_model": cpu_model(),
         "cpu_kind": cpu_kind(),
+        "cpu_vendor": sig["vendor"],
+        "cpu_family": sig["family"],
+        "cpu_model_number": sig["model"],
         "cpu_flags": [f for f in KERNEL_FLAGS if f in flags],
         "torch": torch.__version__,
         "python": platform.python_version(),
