@@ -140,7 +140,8 @@ def test_linear_rows_are_ratios_to_bf16_and_peak_with_slow_and_broken_backends()
     assert [(r["K"], r["N"], r["M"]) for r in rows] == [(128, 64, 1), (128, 64, 4)]
     for r in rows:
         ref = r["backends"]["reference"]
-        assert ref["speedup_vs_bf16"] == pytest.approx(r["bf16_s"] / ref["seconds"])
+        assert ref["speedup_unpaired"] == pytest.approx(r["bf16_s"] / ref["seconds"])
+        assert ref["speedup_vs_bf16"] > 0 and ref["bf16_paired_s"] > 0
         assert ref["frac_of_peak"] == pytest.approx(r["flops"] / ref["seconds"] / 1e9 / 100.0)
         assert ref["gemm_speedup_vs_bf16"] == pytest.approx(r["bf16_s"] / ref["gemm_seconds"])
         assert r["bf16_frac_of_peak"] == pytest.approx(r["bf16_gflops"] / 100.0)
@@ -154,12 +155,40 @@ def test_linear_rows_are_ratios_to_bf16_and_peak_with_slow_and_broken_backends()
 def test_fastest_and_auto_ratio():
     from fp8ref.bench import linear as bench_linear_module
 
-    row = {"backends": {"a": {"seconds": 2.0}, "b": {"seconds": 1.0}, "c": {"seconds": 0.5},
-                        "auto": {"seconds": 1.05}}}
+    row = {"backends": {"a": {"speedup_vs_bf16": 0.5}, "b": {"speedup_vs_bf16": 1.0},
+                        "c": {"speedup_vs_bf16": 2.0}, "auto": {"speedup_vs_bf16": 1 / 1.05}}}
     bench_linear_module._fastest(row, compliant=["a", "b"])  # c is faster but not admitted
     assert row["fastest"] == "b" and row["auto_over_fastest"] == pytest.approx(1.05)
     bench_linear_module._fastest(row)
     assert row["fastest"] == "c" and row["auto_over_fastest"] == pytest.approx(2.1)
+
+
+def test_paired_ratio_is_the_median_of_back_to_back_rounds(monkeypatch):
+    """A machine that slows down 4x after a few calls: the ratio of two medians taken one after
+    the other reads the drift (0.5), the paired rounds read the true 2x (each round's two samples
+    see the same machine)."""
+    from fp8ref.bench import timing
+
+    now = {"t": 0.0, "calls": 0}
+
+    def slow_factor():  # the machine slows down 4x after the fourth call
+        return 4.0 if now["calls"] > 4 else 1.0
+
+    def work(cost):
+        def f():
+            now["calls"] += 1
+            now["t"] += cost * slow_factor()
+        return f
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now["t"])
+    base, fn = work(0.02), work(0.01)  # fn is 2x faster than base
+    p = timing.paired(base, fn, repeat=6, budget_s=100.0)
+    assert p.rounds == 6 and p.ratio == pytest.approx(2.0)
+    # the same two functions timed one after the other, as medians: the drift lands in the ratio
+    now.update(t=0.0, calls=0)
+    tb = timing.timeit(base, repeat=3, budget_s=100.0)
+    tf = timing.timeit(fn, repeat=3, budget_s=100.0)
+    assert tb.median_s / tf.median_s == pytest.approx(0.5)
 
 
 def test_reference_section_ratio_is_from_the_same_run():

@@ -27,14 +27,16 @@ from .reference import bench_reference
 from .report import format_report
 from .runner import SECTIONS, machine_meta, run
 from .selector import bench_selector
-from .timing import Timing, timeit
+from .timing import Paired, Timing, paired, timeit
 
 __all__ = [
     "LLAMA3_8B_SHAPES",
     "M_VALUES",
     "QUANT_SCHEMES",
     "SECTIONS",
+    "Paired",
     "Timing",
+    "paired",
     "timeit",
     "available_backends",
     "copy_bandwidth",

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "timeit", "is_cuda", "synchronizer", "rotation", "cycler", "past", "PAST_DEADLINE"]
+__all__ = ["Timing", "Paired", "timeit", "paired", "is_cuda", "synchronizer", "rotation", "cycler", "past",
+           "PAST_DEADLINE"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,97 @@ def timeit(fn: Callable[[], Any], *, device: str | torch.device = "cpu", warmup:
         if clock() - start > budget_s:
             break
     return Timing(statistics.median(samples), min(samples), len(samples), inner, first)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A function timed in rounds that alternate with a baseline's samples (``paired``).
+
+    Attributes
+    ----------
+    ratio : float
+        Median over the rounds of baseline seconds / function seconds (> 1: the function is
+        faster), each round's two samples taken back to back.
+    timing, base : Timing
+        The function's and the baseline's own samples (medians, minima, counts).
+    rounds : int
+        Rounds taken.
+    """
+
+    ratio: float
+    timing: Timing
+    base: Timing
+    rounds: int
+
+    def as_dict(self) -> dict:
+        return {"ratio": self.ratio, "rounds": self.rounds, "timing": self.timing.as_dict(),
+                "base": self.base.as_dict()}
+
+
+def _inner(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: float) -> tuple[int, float]:
+    """(calls per sample, seconds of the first call) for ``fn``, after its warm-up call."""
+    clock = time.perf_counter
+    sync()
+    t0 = clock()
+    fn()
+    sync()
+    first = clock() - t0
+    if first >= min_sample_s:
+        return 1, first
+    t0 = clock()
+    fn()
+    sync()
+    once = max(clock() - t0, 1e-9)
+    return max(1, min(1000, math.ceil(min_sample_s / once))), first
+
+
+def paired(base: Callable[[], Any], fn: Callable[[], Any], *, device: str | torch.device = "cpu",
+           repeat: int = 5, budget_s: float = 2.0, min_sample_s: float | None = None) -> Paired:
+    """``fn`` against ``base`` in alternating samples: the speed-up as the median of per-round ratios.
+
+    On a shared machine the memory bandwidth and the clock drift over seconds (on the 2-vCPU
+    EPYC of docs/performance.md the copy bandwidth read 33 and 61 GB/s in two runs minutes apart),
+    so two medians taken one after the other carry that drift into their ratio; a round's two
+    samples, taken back to back, see the same machine. Same samples as ``timeit`` (warm-up call,
+    calls repeated up to ``min_sample_s``, CUDA-synchronized); rounds stop at ``repeat`` or when
+    ``budget_s`` is spent (one round is always taken).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fp8ref.bench import paired
+    >>> p = paired(lambda: torch.ones(4096).sum(), lambda: torch.ones(64).sum(), repeat=3)
+    >>> p.rounds, p.ratio > 0
+    (3, True)
+    """
+    if not (callable(base) and callable(fn)):
+        raise TypeError("base and fn must be callable")
+    if repeat < 1 or not budget_s > 0:
+        raise ValueError(f"repeat must be >= 1 and budget_s > 0, got repeat={repeat}, budget_s={budget_s}")
+    sync = synchronizer(device)
+    if min_sample_s is None:
+        min_sample_s = 1e-3 if is_cuda(device) else 5e-3
+    inner_b, first_b = _inner(base, sync, min_sample_s)
+    inner_f, first_f = _inner(fn, sync, min_sample_s)
+    clock = time.perf_counter
+    start = clock()
+    tb: list[float] = []
+    tf: list[float] = []
+    for i in range(repeat):
+        # alternate which goes first, so neither always runs on the caches the other left
+        order = ((base, inner_b, tb), (fn, inner_f, tf)) if i % 2 == 0 else ((fn, inner_f, tf), (base, inner_b, tb))
+        for f, inner, out in order:
+            sync()
+            t0 = clock()
+            for _ in range(inner):
+                f()
+            sync()
+            out.append((clock() - t0) / inner)
+        if clock() - start > budget_s:
+            break
+    ratio = statistics.median(b / f for b, f in zip(tb, tf, strict=True))
+    return Paired(ratio, Timing(statistics.median(tf), min(tf), len(tf), inner_f, first_f),
+                  Timing(statistics.median(tb), min(tb), len(tb), inner_b, first_b), len(tf))
 
 
 def rotation(set_bytes: int, device: str) -> int:
