@@ -257,6 +257,19 @@ def test_selector_section_keeps_the_users_cache_dir(monkeypatch, tmp_path):
     assert not (tmp_path / "user-cache").exists()  # the measurement used its own temporary cache
 
 
+def test_linear_section_decides_auto_anew_without_the_users_cache(monkeypatch, tmp_path):
+    """A decision the user's on-disk cache holds (from an earlier fp8ref, or another load) is not
+    what the bench times: auto selects again against a throw-away cache, and the user's is untouched."""
+    import os
+
+    user = tmp_path / "user-cache"
+    monkeypatch.setenv("FP8REF_CACHE_DIR", str(user))
+    monkeypatch.setenv("FP8REF_CANDIDATES", "reference")  # keep the probe short
+    (row,) = bench.bench_linear("cpu", ["reference"], shapes=[(64, 32)], m_values=[2], repeat=1, budget_s=0.05)
+    assert row["backends"]["auto"]["selected"] == "reference"
+    assert os.environ["FP8REF_CACHE_DIR"] == str(user) and not user.exists()
+
+
 def test_run_rejects_bad_device_and_sections():
     with pytest.raises(ValueError, match="device"):
         bench.run("tpu")

@@ -6,6 +6,8 @@ bf16 GEMM peak; ``auto`` (``fp8ref.linear``) is also compared with the fastest b
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,7 +22,7 @@ from ..spec import quant
 from ..spec.bounds import PrecisionClass
 from ..spec.schemes import W8A8_FP8, Recipe, get_recipe
 from .backends import resolve_backend
-from .timing import PAST_DEADLINE, cycler, paired, past, rotation, timeit
+from .timing import PAST_DEADLINE, cycler, paired, past, rotation, throwaway_selector_cache, timeit
 
 __all__ = ["LLAMA3_8B_SHAPES", "M_VALUES", "bench_linear", "selected_backend"]
 
@@ -102,113 +104,115 @@ def bench_linear(device: str = "cpu", backend_names: Sequence[str | Backend] = (
     auto_precision = DEFAULT_PRECISION
     resolved = [resolve_backend(b) for b in backend_names]
     rows = []
-    for K, N in shapes:
-        too_slow: dict[str, str] = {}
-        wset_bytes = N * K * 2
-        wsets = [(torch.randn(N, K, device=device, dtype=torch.bfloat16) / K**0.5)
-                 for _ in range(rotation(wset_bytes, device))]
-        prepared: dict[str, list[Any]] = {}
-        qweights = [quant.quantize(w, recipe.weight) for w in wsets] if include_auto else []
-        for M in sorted(m_values):  # ascending: a backend too slow at one M is skipped at larger ones
-            flops = 2 * M * N * K
-            case = Case(M=M, N=N, K=K, recipe=recipe, device=dev_type)
-            xsets = [torch.randn(M, K, device=device, dtype=torch.bfloat16)
-                     for _ in range(rotation(M * K * 2 + wset_bytes, device))]
-            n_sets = max(len(xsets), len(wsets))
-            pair = cycler([(xsets[i % len(xsets)], i % len(wsets)) for i in range(n_sets)])
+    # auto decides anew in every run (this code, this machine), never from the user's cache
+    with throwaway_selector_cache() if include_auto else contextlib.nullcontext():
+        for K, N in shapes:
+            too_slow: dict[str, str] = {}
+            wset_bytes = N * K * 2
+            wsets = [(torch.randn(N, K, device=device, dtype=torch.bfloat16) / K**0.5)
+                     for _ in range(rotation(wset_bytes, device))]
+            prepared: dict[str, list[Any]] = {}
+            qweights = [quant.quantize(w, recipe.weight) for w in wsets] if include_auto else []
+            for M in sorted(m_values):  # ascending: a backend too slow at one M is skipped at larger ones
+                flops = 2 * M * N * K
+                case = Case(M=M, N=N, K=K, recipe=recipe, device=dev_type)
+                xsets = [torch.randn(M, K, device=device, dtype=torch.bfloat16)
+                         for _ in range(rotation(M * K * 2 + wset_bytes, device))]
+                n_sets = max(len(xsets), len(wsets))
+                pair = cycler([(xsets[i % len(xsets)], i % len(wsets)) for i in range(n_sets)])
 
-            def bf16_call(pair=pair, wsets=wsets):
-                x, wi = pair()
-                return F.linear(x, wsets[wi])
+                def bf16_call(pair=pair, wsets=wsets):
+                    x, wi = pair()
+                    return F.linear(x, wsets[wi])
 
-            tb = timeit(bf16_call, device=device, repeat=repeat, budget_s=budget_s)
-            row: dict[str, Any] = {"K": K, "N": N, "M": M, "recipe": recipe.name, "flops": flops,
-                                   "bf16_s": tb.median_s, "bf16_gflops": flops / tb.median_s / 1e9,
-                                   "backends": {}}
-            if peak_gflops:
-                row["bf16_frac_of_peak"] = row["bf16_gflops"] / peak_gflops
-            for bname, backend in resolved:
-                entry: dict[str, Any] = {}
-                row["backends"][bname] = entry
-                if bname in too_slow:
-                    entry["skipped"] = too_slow[bname]
-                    continue
-                if past(deadline):
-                    entry["skipped"] = PAST_DEADLINE
-                    continue
-                reason = decline_reason(backend, case)
-                if reason is not None:
-                    entry["skipped"] = f"does not support {case.short_str()}: {reason}"
-                    continue
-                try:
-                    if bname not in prepared:
-                        prepared[bname] = [backend.prepare_weight(backend.quantize(w, recipe.weight))
-                                           for w in wsets]
-                    pws = prepared[bname]
-
-                    def call(pair=pair, backend=backend, pws=pws):
-                        x, wi = pair()
-                        return backend.linear(x, pws[wi], None, torch.bfloat16, recipe.activation)
-
-                    p = paired(bf16_call, call, device=device, repeat=repeat, budget_s=budget_s)
-                    t = p.timing
-                    entry.update(seconds=t.median_s, speedup_vs_bf16=p.ratio,
-                                 speedup_unpaired=tb.median_s / t.median_s, bf16_paired_s=p.base.median_s,
-                                 precision=backend.precision.value, timing=t.as_dict())
-                    if peak_gflops:
-                        entry["frac_of_peak"] = flops / t.median_s / 1e9 / peak_gflops
-                    if gemm_only:
-                        qx = [backend.quantize(x, recipe.activation) for x in xsets]
-                        gpair = cycler([(qx[i % len(qx)], i % len(pws)) for i in range(n_sets)])
-
-                        def gcall(gpair=gpair, backend=backend, pws=pws):
-                            a, wi = gpair()
-                            return backend.scaled_mm(a, pws[wi], None, torch.bfloat16)
-
-                        tg = timeit(gcall, device=device, repeat=repeat, budget_s=budget_s)
-                        entry.update(gemm_seconds=tg.median_s, gemm_speedup_vs_bf16=tb.median_s / tg.median_s)
-                except Exception as exc:  # a backend failing here is a finding, reported in the row
-                    entry["error"] = f"{type(exc).__name__}: {exc}"
-                    log(f"  linear {bname:12} K={K} N={N} M={M}: error {entry['error']}")
-                    continue
-                if t.median_s > max_call_s:
-                    too_slow[bname] = (f"skipped: M={M} already took {t.median_s:.2f} s per call "
-                                       f"(> max_call_s={max_call_s:g} s) at K={K} N={N}")
-            if include_auto:
-                entry = {}
-                row["backends"]["auto"] = entry
-                if "auto" in too_slow:
-                    entry["skipped"] = too_slow["auto"]
-                elif past(deadline):
-                    entry["skipped"] = PAST_DEADLINE
-                else:
-                    t0 = time.perf_counter()
+                tb = timeit(bf16_call, device=device, repeat=repeat, budget_s=budget_s)
+                row: dict[str, Any] = {"K": K, "N": N, "M": M, "recipe": recipe.name, "flops": flops,
+                                       "bf16_s": tb.median_s, "bf16_gflops": flops / tb.median_s / 1e9,
+                                       "backends": {}}
+                if peak_gflops:
+                    row["bf16_frac_of_peak"] = row["bf16_gflops"] / peak_gflops
+                for bname, backend in resolved:
+                    entry: dict[str, Any] = {}
+                    row["backends"][bname] = entry
+                    if bname in too_slow:
+                        entry["skipped"] = too_slow[bname]
+                        continue
+                    if past(deadline):
+                        entry["skipped"] = PAST_DEADLINE
+                        continue
+                    reason = decline_reason(backend, case)
+                    if reason is not None:
+                        entry["skipped"] = f"does not support {case.short_str()}: {reason}"
+                        continue
                     try:
-                        fn = _auto_callable(xsets, qweights, pair, recipe)
-                        warm_up = time.perf_counter() - t0
-                        p = paired(bf16_call, fn, device=device, repeat=repeat, budget_s=budget_s)
+                        if bname not in prepared:
+                            prepared[bname] = [backend.prepare_weight(backend.quantize(w, recipe.weight))
+                                               for w in wsets]
+                        pws = prepared[bname]
+
+                        def call(pair=pair, backend=backend, pws=pws):
+                            x, wi = pair()
+                            return backend.linear(x, pws[wi], None, torch.bfloat16, recipe.activation)
+
+                        p = paired(bf16_call, call, device=device, repeat=repeat, budget_s=budget_s)
                         t = p.timing
-                    except Exception as exc:  # e.g. no compliant backend: a finding, reported in the row
-                        entry["error"] = f"{type(exc).__name__}: {exc}"
-                    else:
-                        # warm_up_s: the first call of every weight in the rotation, the selection included
                         entry.update(seconds=t.median_s, speedup_vs_bf16=p.ratio,
                                      speedup_unpaired=tb.median_s / t.median_s, bf16_paired_s=p.base.median_s,
-                                     weight="pre-quantized", precision=auto_precision, timing=t.as_dict(),
-                                     warm_up_s=warm_up)
-                        chosen = selected_backend(xsets[0], qweights[0], recipe)
-                        if chosen:
-                            entry["selected"] = chosen
+                                     precision=backend.precision.value, timing=t.as_dict())
                         if peak_gflops:
                             entry["frac_of_peak"] = flops / t.median_s / 1e9 / peak_gflops
-                        if t.median_s > max_call_s:
-                            too_slow["auto"] = (f"skipped: M={M} already took {t.median_s:.2f} s per call "
-                                                f"(> max_call_s={max_call_s:g} s) at K={K} N={N}")
-            _fastest(row, [n for n, b in resolved if _admitted(b, auto_precision)])
-            rows.append(row)
-            log(f"  linear K={K:5} N={N:5} M={M:4}  bf16 {tb.median_s * 1e3:8.3f} ms  "
-                + "  ".join(f"{b} x{e['speedup_vs_bf16']:.2f}" for b, e in row["backends"].items()
-                            if "speedup_vs_bf16" in e))
+                        if gemm_only:
+                            qx = [backend.quantize(x, recipe.activation) for x in xsets]
+                            gpair = cycler([(qx[i % len(qx)], i % len(pws)) for i in range(n_sets)])
+
+                            def gcall(gpair=gpair, backend=backend, pws=pws):
+                                a, wi = gpair()
+                                return backend.scaled_mm(a, pws[wi], None, torch.bfloat16)
+
+                            tg = timeit(gcall, device=device, repeat=repeat, budget_s=budget_s)
+                            entry.update(gemm_seconds=tg.median_s, gemm_speedup_vs_bf16=tb.median_s / tg.median_s)
+                    except Exception as exc:  # a backend failing here is a finding, reported in the row
+                        entry["error"] = f"{type(exc).__name__}: {exc}"
+                        log(f"  linear {bname:12} K={K} N={N} M={M}: error {entry['error']}")
+                        continue
+                    if t.median_s > max_call_s:
+                        too_slow[bname] = (f"skipped: M={M} already took {t.median_s:.2f} s per call "
+                                           f"(> max_call_s={max_call_s:g} s) at K={K} N={N}")
+                if include_auto:
+                    entry = {}
+                    row["backends"]["auto"] = entry
+                    if "auto" in too_slow:
+                        entry["skipped"] = too_slow["auto"]
+                    elif past(deadline):
+                        entry["skipped"] = PAST_DEADLINE
+                    else:
+                        t0 = time.perf_counter()
+                        try:
+                            fn = _auto_callable(xsets, qweights, pair, recipe)
+                            warm_up = time.perf_counter() - t0
+                            p = paired(bf16_call, fn, device=device, repeat=repeat, budget_s=budget_s)
+                            t = p.timing
+                        except Exception as exc:  # e.g. no compliant backend: a finding, reported in the row
+                            entry["error"] = f"{type(exc).__name__}: {exc}"
+                        else:
+                            # warm_up_s: the first call of every weight in the rotation, the selection included
+                            entry.update(seconds=t.median_s, speedup_vs_bf16=p.ratio,
+                                         speedup_unpaired=tb.median_s / t.median_s, bf16_paired_s=p.base.median_s,
+                                         weight="pre-quantized", precision=auto_precision, timing=t.as_dict(),
+                                         warm_up_s=warm_up)
+                            chosen = selected_backend(xsets[0], qweights[0], recipe)
+                            if chosen:
+                                entry["selected"] = chosen
+                            if peak_gflops:
+                                entry["frac_of_peak"] = flops / t.median_s / 1e9 / peak_gflops
+                            if t.median_s > max_call_s:
+                                too_slow["auto"] = (f"skipped: M={M} already took {t.median_s:.2f} s per call "
+                                                    f"(> max_call_s={max_call_s:g} s) at K={K} N={N}")
+                _fastest(row, [n for n, b in resolved if _admitted(b, auto_precision)])
+                rows.append(row)
+                log(f"  linear K={K:5} N={N:5} M={M:4}  bf16 {tb.median_s * 1e3:8.3f} ms  "
+                    + "  ".join(f"{b} x{e['speedup_vs_bf16']:.2f}" for b, e in row["backends"].items()
+                                if "speedup_vs_bf16" in e))
     clear_weight_cache()  # drop fp8ref.linear's cached quantized/prepared weights
     return rows
 

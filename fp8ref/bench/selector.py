@@ -3,19 +3,17 @@ a first selection (probe and timing), measured against a throw-away cache direct
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from typing import Any
 
 import torch
 
 from ..api import clear_weight_cache, linear
-from ..select import ENV_CACHE_DIR, clear_cache
+from ..select import clear_cache
 from ..spec import quant
 from ..spec.schemes import W8A8_FP8, Recipe, get_recipe
 from .linear import selected_backend
-from .timing import synchronizer, timeit
+from .timing import synchronizer, throwaway_selector_cache, timeit
 
 __all__ = ["bench_selector"]
 
@@ -53,12 +51,9 @@ def bench_selector(device: str = "cpu", *, M: int = 16, K: int = 4096, N: int = 
         sync()
         return time.perf_counter() - t0
 
-    old = os.environ.get(ENV_CACHE_DIR)
     out: dict[str, Any] = {"M": M, "K": K, "N": N, "recipe": recipe.name}
     try:
-        with tempfile.TemporaryDirectory(prefix="fp8ref-bench-") as tmp:
-            os.environ[ENV_CACHE_DIR] = tmp
-            clear_cache(memory=True, disk=False)  # never the user's on-disk cache
+        with throwaway_selector_cache():
             x, weight = operands(M, K, N)
             cold = first_call(x, weight)
             clear_cache(memory=True, disk=False)
@@ -82,12 +77,6 @@ def bench_selector(device: str = "cpu", *, M: int = 16, K: int = 4096, N: int = 
             else:
                 out["dispatch_overhead_s"] = None
                 out["note"] = "fp8ref.explain found no compliant backend at this shape"
-            # Decisions made against the temporary cache must not outlive it in memory.
-            clear_cache(memory=True, disk=False)
     finally:
-        if old is None:
-            os.environ.pop(ENV_CACHE_DIR, None)
-        else:
-            os.environ[ENV_CACHE_DIR] = old
         clear_weight_cache()
     return out

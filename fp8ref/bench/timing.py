@@ -3,17 +3,22 @@ plus what every section shares: input rotation past the GPU's L2, a run's deadli
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from ..select import ENV_CACHE_DIR, clear_cache
+
 __all__ = ["Timing", "Paired", "timeit", "paired", "is_cuda", "synchronizer", "rotation", "cycler", "past",
-           "PAST_DEADLINE"]
+           "PAST_DEADLINE", "throwaway_selector_cache"]
 
 
 @dataclass(frozen=True)
@@ -241,3 +246,27 @@ def cycler(items: Sequence[Any]) -> Callable[[], Any]:
         return item
 
     return nxt
+
+
+@contextlib.contextmanager
+def throwaway_selector_cache() -> Iterator[str]:
+    """``FP8REF_CACHE_DIR`` pointed at a fresh temporary directory, the selector's memory cache
+    cleared on the way in and out: ``auto`` decides anew, from this code on this machine, and the
+    user's on-disk cache is never read or written (a decision cached by an earlier fp8ref, or
+    under other load, would otherwise be what the bench times)."""
+    old = os.environ.get(ENV_CACHE_DIR)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fp8ref-bench-") as tmp:
+            os.environ[ENV_CACHE_DIR] = tmp
+            clear_cache(memory=True, disk=False)  # never the user's on-disk cache
+            try:
+                yield tmp
+            finally:
+                # Decisions made against the temporary cache must not outlive it in memory.
+                clear_cache(memory=True, disk=False)
+    finally:
+        if old is None:
+            os.environ.pop(ENV_CACHE_DIR, None)
+        else:
+            os.environ[ENV_CACHE_DIR] = old
+
