@@ -60,8 +60,9 @@ def synthetic_weight(case: Case) -> Quantized:
     The codes' distribution matters to a kernel that decodes them: ``cpu-fp8`` takes a slower path
     for a 32-code group that holds a zero or subnormal magnitude. Uniform random codes put one in
     87 % of the groups, real and Gaussian weights in 0.3-2 % (docs/backends.md); timed on uniform
-    codes ``cpu-fp8`` lost to ``cpu-bf16`` at M = 64 on the Zen 5 EPYC where it ran 1.0-1.2x bf16
-    ``F.linear`` against ``cpu-bf16``'s 0.87-0.97x on the bench's Gaussian weights."""
+    codes ``cpu-fp8`` lost to ``cpu-bf16`` at M = 64 on the Zen 5 EPYC, where on the bench's Gaussian
+    weights it ran 1.0-1.2x bf16 ``F.linear`` on three of the four Llama shapes and ``cpu-bf16``
+    0.88-0.97x (docs/performance.md)."""
     scheme = case.recipe.weight
     key = (case.N, case.K, scheme, case.device)
     q = _TIMING_WEIGHT.get(key)
