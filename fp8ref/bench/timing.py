@@ -100,33 +100,12 @@ def timeit(fn: Callable[[], Any], *, device: str | torch.device = "cpu", warmup:
     sync = synchronizer(device)
     if min_sample_s is None:
         min_sample_s = 1e-3 if is_cuda(device) else 5e-3
+    inner, first = _inner(fn, sync, min_sample_s, budget_s, warmup - 1)
     clock = time.perf_counter
-    sync()
-    t0 = clock()
-    fn()
-    sync()
-    first = clock() - t0
-    for _ in range(warmup - 1):
-        fn()
-    sync()
     start = clock()
-    if first > budget_s or first >= min_sample_s:
-        # A call long enough to time on its own needs no calibration call (for a slow backend
-        # that call would cost as much as a sample); past the budget one sample is all we take.
-        inner = 1
-    else:
-        t0 = clock()
-        fn()
-        sync()
-        once = max(clock() - t0, 1e-9)
-        inner = max(1, min(1000, math.ceil(min_sample_s / once)))
     samples: list[float] = []
     while len(samples) < repeat:
-        t0 = clock()
-        for _ in range(inner):
-            fn()
-        sync()
-        samples.append((clock() - t0) / inner)
+        samples.append(_sample(fn, inner, sync))
         if clock() - start > budget_s:
             break
     return Timing(statistics.median(samples), min(samples), len(samples), inner, first)
@@ -157,21 +136,37 @@ class Paired:
                 "base": self.base.as_dict()}
 
 
-def _inner(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: float) -> tuple[int, float]:
-    """(calls per sample, seconds of the first call) for ``fn``, after its warm-up call."""
+def _inner(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: float, budget_s: float,
+           extra_warmup: int = 0) -> tuple[int, float]:
+    """(calls per sample, seconds of the first call) for ``fn``: its warm-up call, ``extra_warmup``
+    more, then one calibration call unless the first already lasted ``min_sample_s`` (or past the
+    budget: a slow backend's calibration would cost as much as a sample)."""
     clock = time.perf_counter
     sync()
     t0 = clock()
     fn()
     sync()
     first = clock() - t0
-    if first >= min_sample_s:
+    for _ in range(extra_warmup):
+        fn()
+    if first > budget_s or first >= min_sample_s:
         return 1, first
+    sync()
     t0 = clock()
     fn()
     sync()
     once = max(clock() - t0, 1e-9)
     return max(1, min(1000, math.ceil(min_sample_s / once))), first
+
+
+def _sample(fn: Callable[[], Any], inner: int, sync: Callable[[], None]) -> float:
+    """Seconds per call of ``inner`` back-to-back calls of ``fn``, synchronized."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / inner
 
 
 def paired(base: Callable[[], Any], fn: Callable[[], Any], *, device: str | torch.device = "cpu",
@@ -200,8 +195,8 @@ def paired(base: Callable[[], Any], fn: Callable[[], Any], *, device: str | torc
     sync = synchronizer(device)
     if min_sample_s is None:
         min_sample_s = 1e-3 if is_cuda(device) else 5e-3
-    inner_b, first_b = _inner(base, sync, min_sample_s)
-    inner_f, first_f = _inner(fn, sync, min_sample_s)
+    inner_b, first_b = _inner(base, sync, min_sample_s, budget_s)
+    inner_f, first_f = _inner(fn, sync, min_sample_s, budget_s)
     clock = time.perf_counter
     start = clock()
     tb: list[float] = []
@@ -210,12 +205,7 @@ def paired(base: Callable[[], Any], fn: Callable[[], Any], *, device: str | torc
         # alternate which goes first, so neither always runs on the caches the other left
         order = ((base, inner_b, tb), (fn, inner_f, tf)) if i % 2 == 0 else ((fn, inner_f, tf), (base, inner_b, tb))
         for f, inner, out in order:
-            sync()
-            t0 = clock()
-            for _ in range(inner):
-                f()
-            sync()
-            out.append((clock() - t0) / inner)
+            out.append(_sample(f, inner, sync))
         if clock() - start > budget_s:
             break
     ratio = statistics.median(b / f for b, f in zip(tb, tf, strict=True))
