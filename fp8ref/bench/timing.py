@@ -131,10 +131,6 @@ class Paired:
     base: Timing
     rounds: int
 
-    def as_dict(self) -> dict:
-        return {"ratio": self.ratio, "rounds": self.rounds, "timing": self.timing.as_dict(),
-                "base": self.base.as_dict()}
-
 
 def _inner(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: float, budget_s: float,
            extra_warmup: int = 0) -> tuple[int, float]:
