@@ -218,6 +218,64 @@ def test_cpu_fp32_bf16_dot_products_within_bound_and_restored():
     assert getattr(mm, "fp32_precision", None) == before
 
 
+def _int_operands(M, K, N, seed):
+    """FP8 codes of small integers with unit scales: every partial sum is an exact fp32 integer, so
+    any summation order (oneDNN's packed GEMM, F.linear) gives the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    tensor = QuantScheme(granularity="tensor")
+    a = quant.Quantized(torch.randint(-8, 9, (M, K), generator=g).float().to(torch.float8_e4m3fn),
+                        torch.ones(1, 1), tensor)
+    b = quant.Quantized(torch.randint(-8, 9, (N, K), generator=g).float().to(torch.float8_e4m3fn),
+                        torch.ones(1, 1), tensor)
+    return a, b
+
+
+@pytest.mark.parametrize("name", ["cpu-bf16", "cpu-fp32"])
+def test_cpu_packed_weight_equals_plain(name, monkeypatch):
+    """Where oneDNN packing works here, a one-K-block weight is prepared packed (and no plain copy is
+    kept), block weights stay plain, and the packed GEMM gives the plain one's bits on exact operands."""
+    import copy
+
+    from fp8ref.kernels import cpu
+
+    be = get_backend(name)
+    reason = cpu.pack_reason(be.wide)
+    if reason is not None:
+        pytest.skip(f"no oneDNN packing on this machine: {reason}")
+    plain = cpu.CpuWideBackend(name, be.wide, compile=False)
+    monkeypatch.setattr(plain, "prepare_weight", lambda w: cpu.PreparedWeight.wrap(w, name, wide=w.data.to(be.wide)))
+    for M, K, N in [(1, 16, 16), (5, 96, 24), (33, 200, 70)]:
+        a, b = _int_operands(M, K, N, seed=M)
+        pb = be.prepare_weight(b)
+        assert set(pb.extra) == {"packed"}
+        bias = torch.arange(N, dtype=torch.float32)
+        got, want = be.scaled_mm(a, pb, bias), plain.scaled_mm(a, plain.prepare_weight(b), bias)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        exact = a.data.float() @ b.data.float().T  # integers below 2**24: exact in fp32
+        if be.output_roundings == 2:  # cpu-bf16: the GEMM's own bf16 rounding, then the epilogue's
+            exact = exact.to(torch.bfloat16).float()
+        assert torch.equal(got.float(), (exact + bias).to(torch.bfloat16).float())
+        assert copy.deepcopy(pb).extra["packed"] is pb.extra["packed"]  # opaque: shared, never copied
+    blocky = quant.quantize(torch.randn(256, 256), FP8_BLOCK.weight)
+    assert set(be.prepare_weight(blocky).extra) == {"wide"}
+    # A per-group activation needs the weight by K-segment: the packed one is widened plain for it.
+    x = _activations(4, 256, torch.bfloat16, seed=9).cpu()
+    a = quant.quantize(x, QuantScheme(granularity="group", group_size=128))
+    w = quant.quantize(torch.randn(48, 256), W8A8_FP8.weight)
+    got, want = be.scaled_mm(a, be.prepare_weight(w)), plain.scaled_mm(a, plain.prepare_weight(w))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_cpu_pack_off_switch(monkeypatch):
+    from fp8ref.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_PACK_REASON", {})
+    monkeypatch.setenv("FP8REF_CPU_PACK", "0")
+    assert cpu.pack_reason(torch.bfloat16) == "FP8REF_CPU_PACK=0"
+    pb = get_backend("cpu-bf16").prepare_weight(quant.quantize(torch.randn(8, 32), W8A8_FP8.weight))
+    assert set(pb.extra) == {"wide"}
+
+
 @pytest.mark.slow
 def test_cpu_compiled_paths_equal_eager():
     """torch.compile'd quantization and epilogue give bit-identical results (first compile ~10 s)."""

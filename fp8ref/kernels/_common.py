@@ -19,8 +19,8 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
-__all__ = ["PreparedWeight", "fast_quantize", "native_quant", "native_rows", "native_format_args", "segment_scale",
-           "check_finite", "check_mm_args", "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32",
+__all__ = ["PreparedWeight", "Shared", "fast_quantize", "native_quant", "native_rows", "native_format_args",
+           "segment_scale", "check_finite", "check_mm_args", "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32",
            "BIAS_NON_FINITE", "check_codes"]
 
 
@@ -38,6 +38,23 @@ class PreparedWeight(Quantized):
     @classmethod
     def wrap(cls, q: Quantized, backend: str, **extra: Any) -> PreparedWeight:
         return cls(q.data, q.scale, q.scheme, q.n_saturated, backend, dict(extra))
+
+
+class Shared:
+    """A cached tensor that copies share: ``copy.deepcopy`` returns the same object. For torch's
+    opaque tensors (oneDNN's packed weights), which cannot be copied, and are never written."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict) -> Shared:
+        return self
+
+    def __repr__(self) -> str:
+        v = self.value
+        return f"Shared({type(v).__name__} {tuple(getattr(v, 'shape', ()))} {getattr(v, 'dtype', '')})"
 
 
 def unwrap(b: Quantized, backend: str) -> tuple[Quantized, dict[str, Any]]:
