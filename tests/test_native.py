@@ -330,6 +330,48 @@ def test_packed_gemm_within_fp32_bound_at_every_row_count(mod):
             assert torch.equal(y, y_unprepared)
 
 
+def _codes_of(vals):
+    return vals.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def test_packed_gemm_exact_at_the_range_ends(mod):
+    """The packed kernel computes on scaled operands (gemm_packed.cpp: weights times 2^-120 and
+    pairs times 2^64 in groups without zero/subnormal codes, pairs times 2^-56 in the others, the sum
+    times 2^56 after). Operands at the ends of E4M3's range, in the four pairings of large (the top
+    binade, multiples of 32) and subnormal (m * 2^-9) values, zeros mixed into the weight so that both
+    kinds of group meet in one sum: every product and partial sum is exact in fp32 there, so the
+    result must be the exact dot product, bit for bit, at every row count."""
+    if not fp8ref.get_backend("cpu-fp8")._packed():
+        pytest.skip("no avx512_bf16 on this CPU: the packed path does not run")
+    from fp8ref.kernels.cpu_fp8 import pack_weight
+
+    g = torch.Generator().manual_seed(11)
+    big = torch.tensor([256.0, 288.0, 320.0, 352.0, 384.0, 416.0, 448.0])
+    small = torch.arange(1, 8, dtype=torch.float32) * 2.0 ** -9
+
+    def draw(shape, pool, zeros):
+        v = pool[torch.randint(0, pool.numel(), shape, generator=g)]
+        v = v * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+        if zeros:
+            v = v * (torch.rand(shape, generator=g) > 0.2)
+        return v
+
+    K, N = 77, 45
+    for pa, pw in [(big, big), (big, small), (small, big), (small, small)]:
+        w = draw((N, K), pw, zeros=True)
+        w[: N // 2, :] = draw((N // 2, K), pw, zeros=False)  # some column blocks free of zeros
+        packed, special = pack_weight(_codes_of(w))
+        if pw is big:  # both kinds of group; a subnormal weight makes every group of it special
+            assert 0 < int(special.sum()) < special.numel()
+        for M in list(range(1, 18)) + [33]:
+            a = draw((M, K), pa, zeros=False)
+            ones_m, ones_n = torch.ones(M), torch.ones(N)
+            y = mod.fp8_e4m3_gemm_packed(_codes_of(a), packed, special, N, ones_m, ones_n, ones_m, False)
+            exact = (a.double() @ w.double().T).float()
+            assert torch.equal(exact.double(), a.double() @ w.double().T)  # representable: an exact test
+            assert torch.equal(y, exact), (float(pa[0]), float(pw[0]), M)
+
+
 class _TwoCalls(fp8ref.Backend):
     name = "test-two-calls"
 
@@ -447,3 +489,32 @@ def test_native_quant_every_midpoint(mod, fmt, isa):
     scheme = QuantScheme(format=fmt)
     assert bool((quant.quantize(x, scheme).scale == 1).all())
     _check_native_quant(x.contiguous(), scheme, level)
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
+def test_native_quant_near_midpoints_after_division(mod, fmt, isa):
+    """The division by the scale, where it matters: the vector bodies multiply by 1/s and go back to
+    x / s near a rounding midpoint (quant.cpp, Recip). Rows whose scale s is not a power of two hold,
+    for every FP8 midpoint and grid value m, the fp32 x nearest m * s and its neighbours up to 12
+    ulps either side, so x / s falls within a few ulps of m on both sides (ties included where m * s
+    is exact); a lane whose multiplied value rounds differently from the spec's quotient shows here."""
+    level = _isa(mod, isa)
+    f = FORMATS[fmt]
+    grid = torch.arange(256, dtype=torch.uint8).view(f.torch_dtype).to(torch.float32)
+    grid = torch.unique(grid[torch.isfinite(grid) & (grid >= 0)])
+    m = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    rows = []
+    for target in (0.37, 1 / 3, 3.1, 1.7e-3, 12345.6, 2.0 ** -100 * 1.3):
+        amax = torch.tensor(f.max * target, dtype=torch.float32)
+        s = amax / f.max  # the spec's scale for a row with this amax
+        centre = (m * s).view(torch.int32)
+        vals = torch.cat([(centre + d).view(torch.float32) for d in range(-12, 13)])
+        vals = vals[(vals > 0) & (vals <= amax)]
+        vals = torch.cat([vals, -vals])
+        pad = (-vals.numel()) % 255
+        vals = torch.cat([vals, torch.zeros(pad)]).reshape(-1, 255)
+        rows.append(torch.cat([torch.full((vals.shape[0], 1), float(amax)), vals], dim=1))
+    x = torch.cat(rows).contiguous()
+    for scheme in (QuantScheme(format=fmt), QuantScheme(format=fmt, granularity="group", group_size=64)):
+        _check_native_quant(x, scheme, level)

@@ -8,8 +8,19 @@
 // horizontal sums). Each lane accumulates its column's products two per instruction, one fp32
 // rounding per addition, into CH chains per row (K-step p into chain p % CH, the chains added at
 // the end: still K - 1 additions per output at most, so the fp32-accumulation bound holds);
-// products of FP8 values are exact in fp32, and partial sums are multiples of 2^-18: never
-// subnormal, so the instruction's DAZ/FTZ never acts.
+// products of FP8 values are exact in fp32.
+//
+// Scaled operands. A 32-code group with no zero or subnormal code (pack_weight's `special` is 0)
+// decodes in three instructions (decode32_scaled: sign-extend, shift, mask) to bf16 values that are
+// the weight's times 2^-120 (E4M3's exponent field read with bf16's bias), multiplied by activation
+// pairs scaled by 2^64 (apair_hi); other groups decode to the exact values (decode32_bf16's table)
+// and take pairs scaled by 2^-56 (apair_lo). Every product is then the exact product times 2^-56,
+// and so is every partial sum: scaling by a power of two commutes with fp32 rounding while nothing
+// leaves the normal range, and nothing does (products are multiples of 2^-18 below 2^18, so scaled
+// partial sums are multiples of 2^-74 and never subnormal, and the instruction's DAZ/FTZ never
+// acts; the largest scaled pair is 448 * 2^64). The epilogue multiplies the sum by 2^56 (exact)
+// before the scales: the same bits as unscaled operands. On the Zen 5 EPYC the decode had cost six
+// instructions per 32 codes, the bound of the M = 1 rows (docs/performance.md).
 #include <algorithm>
 
 #include "decode.h"
@@ -26,14 +37,29 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dpbf16_bcast(
   asm("vdpbf16ps %[a]%{1to16%}, %[b], %[acc]" : [acc] "+v"(acc) : [b] "v"(b), [a] "m"(*a));
 }
 
-// Bytes of packed weight prefetched ahead of the K-step being decoded (each K-step reads 32). On
-// the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N = 4096, 14336) the hardware
-// prefetcher alone left M = 8..16 rows waiting on memory: 4.7-4.8 ms at M = 16 without, 3.0-3.4
-// with 2048 bytes, 3.8 with 512; 4096 was no better (docs/performance.md).
-constexpr int64_t kPrefetch = 2048;
+// Bytes of packed weight prefetched ahead of the K-step being decoded (each K-step reads 32), one
+// prefetch per 64-byte line. On the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N =
+// 4096, 14336) the hardware prefetcher alone left M = 8..16 rows waiting on memory: 4.7-4.8 ms at
+// M = 16 without, 3.0-3.4 with 2048 bytes (then one prefetch per 256 bytes at M = 1). The M = 1..4
+// rows, whose decode is cheap, needed more: one line in four 2048 bytes ahead, M = 1: 1.5-2.2 ms;
+// every line 4096 ahead 1.5; 8192 1.0-1.4, as fast as an int64 sum of the same bytes; 12288 and
+// 16384 no better; M = 16 the same at every distance (docs/performance.md).
+constexpr int64_t kPrefetch = 8192;
+
+// The scales of the two pair arrays (bf16 exponent steps) and what undoes them (header comment).
+constexpr int kHiShift = 64, kLoShift = -56;
+constexpr float kUnscale = 0x1p56f;
+
+// 32 codes of a group with no zero or subnormal code -> bf16 bits of their values times 2^-120:
+// sign-extended, (c << 4) puts the mantissa at bits 4-6, the exponent field at 7-10 and the sign
+// at 11-15; the mask keeps bits 4-10 and 15.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i decode32_scaled(const uint8_t* p) {
+  const __m512i c = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_and_si512(_mm512_slli_epi16(c, 4), _mm512_set1_epi16((short)0x87F0));
+}
 template <int MM, int CH>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const uint32_t* apair, int64_t lda,
-                                                                          int64_t K2, const uint8_t* pb,
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const uint32_t* ahi, const uint32_t* alo,
+                                                                          int64_t lda, int64_t K2, const uint8_t* pb,
                                                                           const uint8_t* special, float* out,
                                                                           int64_t ldo) {
   // CH independent accumulator chains per row, K-step p feeding chain p % CH: vdpbf16ps has a
@@ -45,19 +71,24 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const u
     for (int i = 0; i < MM; ++i) s[c][i] = _mm512_setzero_ps();
   int64_t p = 0;
   for (; p + CH <= K2; p += CH) {
-    _mm_prefetch((const char*)(pb + p * 32 + kPrefetch), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; c += 2) _mm_prefetch((const char*)(pb + (p + c) * 32 + kPrefetch), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int c = 0; c < CH; ++c) {
       const int64_t q = p + c;
-      const __m512bh bv = (__m512bh)(special[q] ? decode32_bf16(pb + q * 32) : decode32_bf16_normal(pb + q * 32));
+      const bool sp = special[q];
+      const __m512bh bv = (__m512bh)(sp ? decode32_bf16(pb + q * 32) : decode32_scaled(pb + q * 32));
+      const uint32_t* ap = (sp ? alo : ahi) + q * lda;
 #pragma GCC unroll 16
-      for (int i = 0; i < MM; ++i) dpbf16_bcast(s[c][i], bv, apair + q * lda + i);
+      for (int i = 0; i < MM; ++i) dpbf16_bcast(s[c][i], bv, ap + i);
     }
   }
   for (; p < K2; ++p) {
-    const __m512bh bv = (__m512bh)(special[p] ? decode32_bf16(pb + p * 32) : decode32_bf16_normal(pb + p * 32));
+    const bool sp = special[p];
+    const __m512bh bv = (__m512bh)(sp ? decode32_bf16(pb + p * 32) : decode32_scaled(pb + p * 32));
+    const uint32_t* ap = (sp ? alo : ahi) + p * lda;
 #pragma GCC unroll 16
-    for (int i = 0; i < MM; ++i) dpbf16_bcast(s[0][i], bv, apair + p * lda + i);
+    for (int i = 0; i < MM; ++i) dpbf16_bcast(s[0][i], bv, ap + i);
   }
 #pragma GCC unroll 8
   for (int c = 1; c < CH; ++c)
@@ -67,23 +98,23 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const u
   for (int i = 0; i < MM; ++i) _mm512_storeu_ps(out + i * ldo, s[0][i]);
 }
 
-// apair is [K2][M] (p-major): the rows' pairs for one K-step share a cache line.
-void packed_rows(const uint32_t* apair, int64_t M, int64_t K2, const uint8_t* pb, const uint8_t* sp, float* out,
-                 int64_t ldo) {
+// ahi, alo are [K2][M] (p-major): the rows' pairs for one K-step share a cache line.
+void packed_rows(const uint32_t* ahi, const uint32_t* alo, int64_t M, int64_t K2, const uint8_t* pb,
+                 const uint8_t* sp, float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + 16 <= M; m += 16) packed_block<16, 1>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
-  for (; m + 8 <= M; m += 8) packed_block<8, 2>(apair + m, M, K2, pb, sp, out + m * ldo, ldo);
-  const uint32_t* ap = apair + m;
+  for (; m + 16 <= M; m += 16) packed_block<16, 1>(ahi + m, alo + m, M, K2, pb, sp, out + m * ldo, ldo);
+  for (; m + 8 <= M; m += 8) packed_block<8, 2>(ahi + m, alo + m, M, K2, pb, sp, out + m * ldo, ldo);
+  const uint32_t *hp = ahi + m, *lp = alo + m;
   float* op = out + m * ldo;
   switch (M - m) {
     case 0: break;
-    case 1: packed_block<1, 8>(ap, M, K2, pb, sp, op, ldo); break;
-    case 2: packed_block<2, 4>(ap, M, K2, pb, sp, op, ldo); break;
-    case 3: packed_block<3, 4>(ap, M, K2, pb, sp, op, ldo); break;
-    case 4: packed_block<4, 4>(ap, M, K2, pb, sp, op, ldo); break;
-    case 5: packed_block<5, 2>(ap, M, K2, pb, sp, op, ldo); break;
-    case 6: packed_block<6, 2>(ap, M, K2, pb, sp, op, ldo); break;
-    default: packed_block<7, 2>(ap, M, K2, pb, sp, op, ldo); break;
+    case 1: packed_block<1, 8>(hp, lp, M, K2, pb, sp, op, ldo); break;
+    case 2: packed_block<2, 4>(hp, lp, M, K2, pb, sp, op, ldo); break;
+    case 3: packed_block<3, 4>(hp, lp, M, K2, pb, sp, op, ldo); break;
+    case 4: packed_block<4, 4>(hp, lp, M, K2, pb, sp, op, ldo); break;
+    case 5: packed_block<5, 2>(hp, lp, M, K2, pb, sp, op, ldo); break;
+    case 6: packed_block<6, 2>(hp, lp, M, K2, pb, sp, op, ldo); break;
+    default: packed_block<7, 2>(hp, lp, M, K2, pb, sp, op, ldo); break;
   }
 }
 
@@ -96,21 +127,32 @@ __attribute__((target("avx512f,avx512bw"))) int64_t nan_scan_avx512(const uint8_
   return i;
 }
 
-// apair[p * M + m] = (bf16(a[m, 2p + 1]) << 16) | bf16(a[m, 2p]), with a[m, K] = 0 when K is odd:
-// 32 codes of a row decoded at once (decode32_bf16: 16 pairs) and scattered to their K-steps.
-// The scalar loop this replaced cost ~60 us per call at M = 16, K = 4096 (6 % of the call).
+// bf16 bits times 2^shift (the exponent field moved by shift; zeros stay zeros).
+inline uint32_t bf16_scaled(uint32_t b, int shift) { return (b & 0x7FFF) ? b + (uint32_t)(shift * 128) : b; }
+
+// ahi[p * M + m] = (bf16(a[m, 2p + 1]) << 16) | bf16(a[m, 2p]), both values times 2^kHiShift, with
+// a[m, K] = 0 when K is odd, and alo the same times 2^kLoShift (header comment): 32 codes of a row
+// decoded at once (decode32_bf16: 16 pairs), scaled, and scattered to their K-steps. The scalar
+// loop this replaced cost ~60 us per call at M = 16, K = 4096 (6 % of the call).
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void build_pairs(const uint8_t* a, int64_t M, int64_t K,
-                                                                         uint32_t* apair) {
+                                                                         uint32_t* ahi, uint32_t* alo) {
   const int64_t K2 = (K + 1) / 2, K32 = K - K % 32;
   const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)M));
+  const __m512i mag = _mm512_set1_epi16(0x7FFF);
+  const __m512i hi_step = _mm512_set1_epi16((short)(kHiShift * 128)), lo_step = _mm512_set1_epi16((short)(kLoShift * 128));
   for (int64_t m = 0; m < M; ++m) {
     const uint8_t* row = a + m * K;
-    for (int64_t k = 0; k < K32; k += 32)
-      _mm512_i32scatter_epi32(apair + (k / 2) * M + m, step, decode32_bf16(row + k), 4);
+    for (int64_t k = 0; k < K32; k += 32) {
+      const __m512i b = decode32_bf16(row + k);
+      const __mmask32 nz = _mm512_test_epi16_mask(b, mag);
+      _mm512_i32scatter_epi32(ahi + (k / 2) * M + m, step, _mm512_mask_add_epi16(b, nz, b, hi_step), 4);
+      _mm512_i32scatter_epi32(alo + (k / 2) * M + m, step, _mm512_mask_add_epi16(b, nz, b, lo_step), 4);
+    }
     for (int64_t p = K32 / 2; p < K2; ++p) {
       const uint32_t lo = bf16_of_code(row[2 * p]), hi = 2 * p + 1 < K ? bf16_of_code(row[2 * p + 1]) : 0u;
-      apair[p * M + m] = (hi << 16) | lo;
+      ahi[p * M + m] = (bf16_scaled(hi, kHiShift) << 16) | bf16_scaled(lo, kHiShift);
+      alo[p * M + m] = (bf16_scaled(hi, kLoShift) << 16) | bf16_scaled(lo, kLoShift);
     }
   }
 }
@@ -158,8 +200,9 @@ at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special,
   const uint8_t* spp = special.data_ptr<uint8_t>();
   auto out = at::empty({M, N}, at::dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
-  std::vector<uint32_t> apair(K2 * M);  // [p][m]: (a[m, 2p], a[m, 2p + 1]) as bf16 bits, zero-padded
-  build_pairs(a.data_ptr<uint8_t>(), M, K, apair.data());
+  // [p][m]: (a[m, 2p], a[m, 2p + 1]) as bf16 bits, zero-padded, scaled by 2^64 and by 2^-56
+  std::vector<uint32_t> ahi(K2 * M), alo(K2 * M);
+  build_pairs(a.data_ptr<uint8_t>(), M, K, ahi.data(), alo.data());
   const float* sap = sa.data_ptr<float>();
   const float* sbp = sb.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
@@ -168,11 +211,11 @@ at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special,
   at::parallel_for(0, N16, 4, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M * 16);
     for (int64_t nb = b0; nb < b1; ++nb) {
-      packed_rows(apair.data(), M, K2, pbp + nb * K2 * 32, spp + nb * K2, acc.data(), 16);
+      packed_rows(ahi.data(), alo.data(), M, K2, pbp + nb * K2 * 32, spp + nb * K2, acc.data(), 16);
       const int64_t n0 = nb * 16, n1 = std::min(N, n0 + 16);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) {
-          float y = acc[m * 16 + (n - n0)] * sap[m];
+          float y = (acc[m * 16 + (n - n0)] * kUnscale) * sap[m];  // the sum unscaled exactly, then sa
           y = y * sbp[n];
           if (bp) y = y + bp[n];
           op[m * N + n] = y;
