@@ -177,31 +177,70 @@ void quant_scalar(const void* x, int64_t i0, int64_t n, int t, float s, const Jo
   }
 }
 
+// The constants of the AVX-512 body, made once per segment.
+struct Avx512Consts {
+  __m512 sv;
+  __m512i signbit, absbits, expmask, cadd, csub, kcode, fsign, qmaxbits;
+  int shift;  // 23 - mant
+};
+
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline Avx512Consts avx512_consts(float s, const Job& j) {
+  int32_t qbits;
+  std::memcpy(&qbits, &j.qmax, 4);
+  return Avx512Consts{_mm512_set1_ps(s),          _mm512_set1_epi32(0x80),       _mm512_set1_epi32(0x7FFFFFFF),
+                      _mm512_set1_epi32(0x7F800000), _mm512_set1_epi32(j.mr.cadd), _mm512_set1_epi32(j.mr.csub),
+                      _mm512_set1_epi32(j.mr.kcode), _mm512_set1_epi32((int)0x80000000u), _mm512_set1_epi32(qbits),
+                      23 - j.f.mant};
+}
+
+// 16 elements: |v| (v = x / s) clamped to qmax and rounded onto the grid (t and C: MagicRound), and
+// v's bits (its sign). The clamp is an integer min on the magnitude's bits: non-negative floats
+// (+inf too: x / s may overflow with a static scale) order like their bit patterns, and v is never
+// NaN here (non-finite blocks are flagged before).
+template <int T>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i round16(const void* x, int64_t at,
+                                                                                   const Avx512Consts& c, __m512i& vb,
+                                                                                   __m512i& C) {
+  vb = _mm512_castps_si512(_mm512_div_ps(load16(x, at, T), c.sv));
+  const __m512i ab = _mm512_min_epu32(_mm512_and_si512(vb, c.absbits), c.qmaxbits);
+  C = _mm512_max_epi32(_mm512_add_epi32(_mm512_and_si512(ab, c.expmask), c.cadd), c.csub);
+  return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(ab), _mm512_castsi512_ps(C)));
+}
+
+// The FP8 codes of 16 elements as int32 lanes: sign | magnitude code (FNUZ: no -0).
+template <int T, bool NZ>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i code16(const void* x, int64_t at,
+                                                                                  const Avx512Consts& c) {
+  __m512i vb, C;
+  const __m512i t = round16<T>(x, at, c, vb, C);
+  const __m512i mag = _mm512_add_epi32(_mm512_sub_epi32(t, C), _mm512_sub_epi32(_mm512_srl_epi32(C, _mm_cvtsi32_si128(c.shift)), c.kcode));
+  if (NZ) return _mm512_ternarylogic_epi32(mag, _mm512_srli_epi32(vb, 24), c.signbit, 0xF8);  // mag | (vb >> 24 & 0x80)
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(vb, 24), c.signbit);
+  return _mm512_or_si512(_mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512()), sign,
+                                                 _mm512_setzero_si512()), mag);
+}
+
 template <int T, int MODE, bool NZ>
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline void quant_avx512(const void* x, int64_t n, float s, const Job& j,
                                                                void* out) {
-  const Fp8Params& f = j.f;
-  const __m512 sv = _mm512_set1_ps(s), hi = _mm512_set1_ps(j.qmax), lo = _mm512_set1_ps(-j.qmax);
-  const __m512i signbit = _mm512_set1_epi32(0x80), zero = _mm512_setzero_si512();
-  const MagicRound& mr = j.mr;
-  const __m512i absbits = _mm512_set1_epi32(0x7FFFFFFF), expmask = _mm512_set1_epi32(0x7F800000);
-  const __m512i cadd = _mm512_set1_epi32(mr.cadd), csub = _mm512_set1_epi32(mr.csub);
-  const __m512i kcode = _mm512_set1_epi32(mr.kcode), fsign = _mm512_set1_epi32((int)0x80000000u);
+  const Avx512Consts c = avx512_consts(s, j);
   int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    __m512 v = _mm512_div_ps(load16(x, k, T), sv);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    const __m512i vb = _mm512_castps_si512(v), ab = _mm512_and_si512(vb, absbits);
-    const __m512i C = _mm512_max_epi32(_mm512_add_epi32(_mm512_and_si512(ab, expmask), cadd), csub);
-    const __m512i t = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(ab), _mm512_castsi512_ps(C)));
-    if (MODE == 0) {
-      const __m512i mag = _mm512_add_epi32(_mm512_sub_epi32(t, C), _mm512_sub_epi32(_mm512_srli_epi32(C, 23 - f.mant), kcode));
-      __m512i sign = _mm512_and_si512(_mm512_srli_epi32(vb, 24), signbit);
-      if (!NZ) sign = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, zero), sign, zero);  // FNUZ has no -0
-      _mm_storeu_si128((__m128i*)((uint8_t*)out + k), _mm512_cvtepi32_epi8(_mm512_or_si512(sign, mag)));
-    } else {
+  if (MODE == 0) {
+    // 64 codes per store: two rounds of saturating packs (within 128-bit lanes) and one dword
+    // permutation back into element order, instead of four vpmovdb narrowings and stores.
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; k + 64 <= n; k += 64) {
+      const __m512i p01 = _mm512_packus_epi32(code16<T, NZ>(x, k, c), code16<T, NZ>(x, k + 16, c));
+      const __m512i p23 = _mm512_packus_epi32(code16<T, NZ>(x, k + 32, c), code16<T, NZ>(x, k + 48, c));
+      _mm512_storeu_si512((uint8_t*)out + k, _mm512_permutexvar_epi32(order, _mm512_packus_epi16(p01, p23)));
+    }
+    for (; k + 16 <= n; k += 16) _mm_storeu_si128((__m128i*)((uint8_t*)out + k), _mm512_cvtepi32_epi8(code16<T, NZ>(x, k, c)));
+  } else {
+    for (; k + 16 <= n; k += 16) {
+      __m512i vb, C;
+      const __m512i t = round16<T>(x, k, c, vb, C);
       __m512 r = _mm512_sub_ps(_mm512_castsi512_ps(t), _mm512_castsi512_ps(C));  // exact
-      r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(vb, fsign)));
+      r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(vb, c.fsign)));
       if (!NZ) r = _mm512_add_ps(r, _mm512_setzero_ps());  // -0 + 0 = +0: FNUZ has no -0
       if (MODE == 2) _mm512_storeu_ps((float*)out + k, r);
       else
