@@ -99,6 +99,39 @@ def test_quantization_rows_are_gbps_of_the_counted_bytes():
     assert block["shape"] == [256, 256] and block["scheme"] == FP8_BLOCK.weight.short_str()
 
 
+def test_quantization_paired_with_a_copy_is_the_ratio_of_gbps_in_one_round(monkeypatch):
+    """frac_of_copy_paired: (quantizer GB/s) / (copy GB/s) from one round's two samples. A fake
+    ``paired`` whose rounds give copy 2 ms and quantize 1 ms: the quantizer moves nbytes in 1 ms,
+    the copy 2 * copy_bytes in 2 ms."""
+    from fp8ref.bench import quantization as q
+    from fp8ref.bench.timing import Paired, Timing
+
+    seen = []
+
+    def fake_paired(base, fn, **kw):
+        seen.append((base, fn))
+        return Paired(2.0, Timing(1e-3, 1e-3, 3, 1, 0.0), Timing(2e-3, 2e-3, 3, 1, 0.0), 3)
+
+    monkeypatch.setattr(q, "paired", fake_paired)
+    rows = q.bench_quantization("cpu", ["reference"], act_shape=(4, 256), weight_shape=(256, 256),
+                                copy_gbps=10.0, copy_bytes=1 << 20, repeat=2, budget_s=0.05)
+    assert len(seen) == len(rows)
+    for r in rows:
+        want = (r["bytes"] / 1e-3) / (2 * (1 << 20) / 2e-3)
+        assert r["frac_of_copy_paired"] == pytest.approx(want)
+        assert r["copy_gbps_paired"] == pytest.approx(2 * (1 << 20) / 2e-3 / 1e9) and r["paired_rounds"] == 3
+    with pytest.raises(ValueError, match="copy_bytes"):
+        q.bench_quantization("cpu", ["reference"], copy_bytes=0)
+    text = bench.format_report({"quant": rows, "meta": {}})
+    assert "% paired" in text and "paired with a copy" in text
+
+
+def test_quantization_paired_for_real_is_a_positive_fraction():
+    rows = bench.bench_quantization("cpu", ["reference"], act_shape=(4, 256), weight_shape=(256, 256),
+                                    copy_bytes=1 << 20, repeat=2, budget_s=0.05)
+    assert all(r["frac_of_copy_paired"] > 0 and r["paired_rounds"] >= 1 for r in rows)
+
+
 class _NoQuantize(Backend):
     name = "test-no-quantize"
 

@@ -10,7 +10,7 @@ import torch
 from ..registry import Backend
 from ..spec.schemes import FP8_BLOCK, W8A8_FP8, QuantScheme
 from .backends import resolve_backend
-from .timing import PAST_DEADLINE, cycler, past, rotation, timeit
+from .timing import PAST_DEADLINE, cycler, paired, past, rotation, timeit
 
 __all__ = ["QUANT_SCHEMES", "quant_bytes", "bench_quantization"]
 
@@ -43,13 +43,23 @@ def quant_bytes(rows: int, cols: int, in_dtype: torch.dtype, scheme: QuantScheme
 
 def bench_quantization(device: str = "cpu", backend_names: Sequence[str | Backend] = ("reference",), *,
                        act_shape: tuple[int, int] = (1024, 4096), weight_shape: tuple[int, int] = (4096, 4096),
-                       copy_gbps: float | None = None, repeat: int = 5, budget_s: float = 2.0,
-                       deadline: float | None = None, log: Callable[[str], None] = lambda s: None) -> list[dict]:
+                       copy_gbps: float | None = None, copy_bytes: int | None = None, repeat: int = 5,
+                       budget_s: float = 2.0, deadline: float | None = None,
+                       log: Callable[[str], None] = lambda s: None) -> list[dict]:
     """GB/s of every backend's ``quantize`` for each entry of ``QUANT_SCHEMES``.
 
     Each row holds ``gbps`` (``quant_bytes`` / median seconds) and, when ``copy_gbps`` is given,
     ``frac_of_copy``. A backend that does not implement a scheme gets a row with ``skipped``, as
     does every measurement after ``deadline`` (a ``time.perf_counter()`` value) has passed.
+
+    With ``copy_bytes``, each quantization is also timed against a copy of ``copy_bytes`` bytes
+    (``dst.copy_(src)``, the copy ceiling's operation; 256 MiB on CPU is far beyond the caches) in
+    back-to-back rounds (``paired``): ``frac_of_copy_paired`` is the median over rounds of the
+    quantizer's GB/s over the copy's GB/s (read + write) in the same round, and
+    ``copy_gbps_paired`` the copy's median GB/s. The ceiling's ``copy_gbps`` is measured once per
+    run, and on a machine whose bandwidth drifts (docs/performance.md: 31-61 GB/s within an hour)
+    the ratio to it carries the drift; the paired ratio does not. The paired copy is the round's
+    median sample, the ceiling the best of its samples: the ceiling is the stricter of the two.
 
     Examples
     --------
@@ -60,6 +70,13 @@ def bench_quantization(device: str = "cpu", backend_names: Sequence[str | Backen
     [('per-token', 776), ('per-group128', 776)]
     """
     rows = []
+    copy = None
+    if copy_bytes is not None:
+        if copy_bytes < 1:
+            raise ValueError(f"copy_bytes must be >= 1, got {copy_bytes}")
+        src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+        dst = torch.empty_like(src)
+        copy = (lambda: dst.copy_(src))  # noqa: E731  (one closure over both buffers)
     for bname, backend in map(resolve_backend, backend_names):
         for qname, role, scheme in QUANT_SCHEMES:
             r, c = act_shape if role == "activation" else weight_shape
@@ -80,11 +97,18 @@ def bench_quantization(device: str = "cpu", backend_names: Sequence[str | Backen
                 rows.append(row)
                 log(f"  quantize {bname:12} {qname:13} skipped: {row['skipped']}")
                 continue
-            t = timeit(lambda nxt=nxt, scheme=scheme, backend=backend: backend.quantize(nxt(), scheme), device=device,
-                       repeat=repeat, budget_s=budget_s)
+            fn = lambda nxt=nxt, scheme=scheme, backend=backend: backend.quantize(nxt(), scheme)  # noqa: E731
+            t = timeit(fn, device=device, repeat=repeat, budget_s=budget_s)
             row.update(bytes=nbytes, seconds=t.median_s, gbps=nbytes / t.median_s / 1e9, timing=t.as_dict())
             if copy_gbps:
                 row["frac_of_copy"] = row["gbps"] / copy_gbps
+            if copy is not None:
+                # t_copy / t_quant per round, times the byte ratio: (quant GB/s) / (copy GB/s) per round
+                p = paired(copy, fn, device=device, repeat=repeat, budget_s=budget_s)
+                row.update(frac_of_copy_paired=p.ratio * nbytes / (2 * copy_bytes),
+                           copy_gbps_paired=2 * copy_bytes / p.base.median_s / 1e9, paired_rounds=p.rounds)
             rows.append(row)
-            log(f"  quantize {bname:12} {qname:13} {row['gbps']:8.2f} GB/s")
+            paired_note = (f"  ({100 * row['frac_of_copy_paired']:.0f} % of a copy in the same rounds)"
+                           if "frac_of_copy_paired" in row else "")
+            log(f"  quantize {bname:12} {qname:13} {row['gbps']:8.2f} GB/s{paired_note}")
     return rows
