@@ -7,7 +7,6 @@ bf16 GEMM peak; ``auto`` (``fp8ref.linear``) is also compared with the fastest b
 from __future__ import annotations
 
 import contextlib
-
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -157,8 +156,8 @@ def bench_linear(device: str = "cpu", backend_names: Sequence[str | Backend] = (
                         p = paired(bf16_call, call, device=device, repeat=repeat, budget_s=budget_s)
                         t = p.timing
                         entry.update(seconds=t.median_s, speedup_vs_bf16=p.ratio,
-                                     speedup_unpaired=tb.median_s / t.median_s, bf16_paired_s=p.base.median_s, paired_rounds=p.rounds,
-                                     precision=backend.precision.value, timing=t.as_dict())
+                                     speedup_unpaired=tb.median_s / t.median_s, bf16_paired_s=p.base.median_s,
+                                     paired_rounds=p.rounds, precision=backend.precision.value, timing=t.as_dict())
                         if peak_gflops:
                             entry["frac_of_peak"] = flops / t.median_s / 1e9 / peak_gflops
                         if gemm_only:
@@ -197,9 +196,9 @@ def bench_linear(device: str = "cpu", backend_names: Sequence[str | Backend] = (
                         else:
                             # warm_up_s: the first call of every weight in the rotation, the selection included
                             entry.update(seconds=t.median_s, speedup_vs_bf16=p.ratio,
-                                         speedup_unpaired=tb.median_s / t.median_s, bf16_paired_s=p.base.median_s, paired_rounds=p.rounds,
-                                         weight="pre-quantized", precision=auto_precision, timing=t.as_dict(),
-                                         warm_up_s=warm_up)
+                                         speedup_unpaired=tb.median_s / t.median_s, bf16_paired_s=p.base.median_s,
+                                         paired_rounds=p.rounds, weight="pre-quantized", precision=auto_precision,
+                                         timing=t.as_dict(), warm_up_s=warm_up)
                             chosen = selected_backend(xsets[0], qweights[0], recipe)
                             if chosen:
                                 entry["selected"] = chosen

@@ -159,8 +159,8 @@ def run(device: str = "cpu", *, quick: bool = False, backends_only: Sequence[str
         else:
             act, wt = (1024, 4096), (4096, 4096)
         res["quant"] = bench_quantization(device, names, act_shape=act, weight_shape=wt, copy_gbps=copy_gbps,
-                                          copy_bytes=res["copy"]["bytes"] if "copy" in res else None, repeat=repeat, budget_s=0.2 if quick else min(budget, 1.0), deadline=deadline,
-                                          log=log)
+                                          copy_bytes=res["copy"]["bytes"] if "copy" in res else None, repeat=repeat,
+                                          budget_s=0.2 if quick else min(budget, 1.0), deadline=deadline, log=log)
     if "linear" in sections:
         log("linear")
         res["linear"] = bench_linear(device, names, shapes=shapes, m_values=m_values, peak_gflops=peak,

@@ -20,8 +20,8 @@ from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
 __all__ = ["PreparedWeight", "Shared", "fast_quantize", "native_quant", "native_rows", "native_format_args",
-           "segment_scale", "check_finite", "check_mm_args", "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32",
-           "BIAS_NON_FINITE", "check_codes"]
+           "segment_scale", "check_finite", "check_mm_args", "empty_result", "unwrap", "pad_last", "pad_weight",
+           "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
 
 
 @dataclass(frozen=True, eq=False)

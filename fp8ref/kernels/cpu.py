@@ -62,13 +62,13 @@ from ..spec.schemes import Granularity, QuantScheme
 from . import native
 from ._common import (
     PreparedWeight,
+    Shared,
     bias_fp32,
     check_mm_args,
     empty_result,
     fast_quantize,
     native_rows,
     segment_scale,
-    Shared,
     unwrap,
 )
 
