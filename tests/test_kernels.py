@@ -266,6 +266,28 @@ def test_cpu_packed_weight_equals_plain(name, monkeypatch):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_cpu_pack_refused_by_onednn_keeps_the_plain_weight(monkeypatch):
+    """A reorder that raises for a weight (a shape oneDNN refuses on some machine) is no crash: the
+    weight stays plain and computes the same bits."""
+    from fp8ref.kernels import cpu
+
+    be = get_backend("cpu-bf16")
+    w = quant.quantize(torch.randn(8, 32), W8A8_FP8.weight)
+    x = _activations(3, 32, torch.bfloat16, seed=1).cpu()
+    monkeypatch.setattr(cpu, "_PACK_REASON", {torch.bfloat16: "off for this test"})
+    plain = be.prepare_weight(w)
+    assert set(plain.extra) == {"wide"}
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("oneDNN: unsupported")
+
+    monkeypatch.setattr(cpu, "_PACK_REASON", {torch.bfloat16: None})  # packing "works" here
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    pw = be.prepare_weight(w)
+    assert set(pw.extra) == {"wide"}
+    assert torch.equal(be.linear(x, pw).view(torch.int16), be.linear(x, plain).view(torch.int16))
+
+
 def test_cpu_pack_off_switch(monkeypatch):
     from fp8ref.kernels import cpu
 

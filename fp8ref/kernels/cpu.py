@@ -30,7 +30,7 @@ hands the wide copy to oneDNN once, in oneDNN's own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``), and every call runs oneDNN's linear on it
 (``_linear_pointwise``): ``F.linear`` re-lays the weight out on every call (bf16) or runs MKL's
 sgemm (fp32). Same operands, same fp32 accumulator, so the same declarations; the summation order
-is oneDNN's. On the 2-core Zen 5 EPYC (avx512_bf16) of 2026-12-01, K = 4096, bf16: 1.4-1.5x
+is oneDNN's. On the 2-core Zen 5 EPYC (avx512_bf16) of 2026-12-02, K = 4096, bf16: 1.4-1.5x
 ``F.linear`` at M <= 16, 1.2x at M = 64, 1.05-1.1x at M >= 128; fp32: 1.7-2.3x (docs/performance.md).
 Decided on this machine: packing is used where oneDNN is built in (and, for bf16, where it reports
 bf16 support) and a 16 x 16 trial packs and multiplies correctly; ``FP8REF_CPU_PACK=0`` turns it
@@ -311,8 +311,12 @@ class CpuWideBackend(Backend):
         wide = w.data.to(self.wide).contiguous()
         if (w.data.dim() == 2 and w.data.shape[0] > 0 and w.data.shape[1] > 0 and w.data.device.type == "cpu"
                 and w.scheme.block_shape(*w.data.shape)[1] >= w.data.shape[1] and pack_reason(self.wide) is None):
-            packed = torch.ops.mkldnn._reorder_linear_weight(wide, None)
-            return PreparedWeight.wrap(w, self.name, packed=Shared(packed))
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(wide, None)
+            except Exception:  # a shape oneDNN refuses here: the plain weight computes it
+                packed = None
+            if packed is not None:
+                return PreparedWeight.wrap(w, self.name, packed=Shared(packed))
         return PreparedWeight.wrap(w, self.name, wide=wide)
 
     def _gemm(self, a: torch.Tensor, b: torch.Tensor | Shared) -> torch.Tensor:
