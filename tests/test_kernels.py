@@ -288,6 +288,22 @@ def test_cpu_pack_refused_by_onednn_keeps_the_plain_weight(monkeypatch):
     assert torch.equal(be.linear(x, pw).view(torch.int16), be.linear(x, plain).view(torch.int16))
 
 
+def test_cpu_backends_version_names_packing_and_sources(monkeypatch):
+    """The selector's cache key includes each backend's ``version``: a decision timed with packed
+    weights (or on other C++ code) is not reused for plain ones."""
+    from fp8ref.kernels import cpu, native
+    from fp8ref.select.keys import selection_key
+
+    be = get_backend("cpu-bf16")
+    case = Case(4, 32, 32, W8A8_FP8)
+    monkeypatch.setattr(cpu, "_PACK_REASON", {torch.bfloat16: None})
+    on, key_on = be.version, selection_key(case, "standard", [be])
+    monkeypatch.setattr(cpu, "_PACK_REASON", {torch.bfloat16: "off for this test"})
+    off, key_off = be.version, selection_key(case, "standard", [be])
+    assert on.startswith("pack=oneDNN/") and off.startswith("pack=off/") and key_on != key_off
+    assert native.source_version() in on and native.source_version() in get_backend("cpu-fp8").version
+
+
 def test_cpu_pack_off_switch(monkeypatch):
     from fp8ref.kernels import cpu
 

@@ -264,6 +264,13 @@ class CpuWideBackend(Backend):
     def compile(self, value: bool | None) -> None:
         self._compile = value
 
+    @property
+    def version(self) -> str:
+        """What the selector's cache key holds of this backend's code: whether weights are packed for
+        oneDNN here, and the C++ sources' digest (the quantizer and epilogue): a decision timed on
+        other code is not reused."""
+        return f"pack={'oneDNN' if pack_reason(self.wide) is None else 'off'}/src={native.source_version()}"
+
     def available(self) -> str | None:
         # The extension is only a fast path here (eager torch computes the same bits), but with
         # FP8REF_CPU_FP8=1 this check is where it gets built: before any probe or timed call.

@@ -152,6 +152,11 @@ class CpuFp8Backend(Backend):
     #: force one unpacked path (``"avx512"``, ``"avx2"``, ``"scalar"``; tests); None: the best one
     isa: str | None = None
 
+    @property
+    def version(self) -> str:
+        """What the selector's cache key holds of this backend's code: the C++ sources' digest."""
+        return f"src={native.source_version()}"
+
     def available(self) -> str | None:
         return native.prepare()  # builds here, and only here, when FP8REF_CPU_FP8=1 asks
 

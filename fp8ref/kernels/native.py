@@ -92,6 +92,12 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def source_version() -> str:
+    """A short digest of the extension's sources: backends built on it name it in their ``version``,
+    so that a selector decision timed on other C++ code is not reused (``fp8ref.select.keys``)."""
+    return _source_digest()[:12]
+
+
 def build_key() -> dict[str, str]:
     """Everything that makes one build of the extension differ from another.
 
