@@ -263,10 +263,9 @@ struct Avx2Consts {
 template <int T, int MODE>
 __attribute__((target("avx2,f16c"))) inline __m256i quant8_avx2(const void* x, int64_t k, const Avx2Consts& c,
                                                                 __m256i& vbits) {
-  __m256 v = _mm256_div_ps(load8(x, k, T), c.sv);
-  v = _mm256_min_ps(_mm256_max_ps(v, c.lo), c.hi);
-  vbits = _mm256_castps_si256(v);
-  const __m256i ab = _mm256_and_si256(vbits, c.absmask);
+  // the clamp to qmax as an integer min on the magnitude's bits (as round16 in the AVX-512 body)
+  vbits = _mm256_castps_si256(_mm256_div_ps(load8(x, k, T), c.sv));
+  const __m256i ab = _mm256_min_epu32(_mm256_and_si256(vbits, c.absmask), _mm256_castps_si256(c.hi));
   const __m256i C = _mm256_max_epi32(_mm256_add_epi32(_mm256_and_si256(ab, c.expmask), c.cadd), c.csub);
   const __m256i t = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(ab), _mm256_castsi256_ps(C)));
   if (MODE == 0) return _mm256_add_epi32(_mm256_sub_epi32(t, C), _mm256_sub_epi32(_mm256_srl_epi32(C, c.shc), c.kcode));
