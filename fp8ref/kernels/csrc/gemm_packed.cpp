@@ -13,8 +13,8 @@
 // Scaled operands. A 32-code group with no zero or subnormal code (pack_weight's `special` is 0)
 // decodes in three instructions (decode32_scaled: sign-extend, shift, mask) to bf16 values that are
 // the weight's times 2^-120 (E4M3's exponent field read with bf16's bias), multiplied by activation
-// pairs scaled by 2^64 (apair_hi); other groups decode to the exact values (decode32_bf16's table)
-// and take pairs scaled by 2^-56 (apair_lo). Every product is then the exact product times 2^-56,
+// pairs scaled by 2^64 (ahi); other groups decode to the exact values (decode32_bf16's table)
+// and take pairs scaled by 2^-56 (alo). Every product is then the exact product times 2^-56,
 // and so is every partial sum: scaling by a power of two commutes with fp32 rounding while nothing
 // leaves the normal range, and nothing does (products are multiples of 2^-18 below 2^18, so scaled
 // partial sums are multiples of 2^-74 and never subnormal, and the instruction's DAZ/FTZ never
@@ -38,7 +38,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dpbf16_bcast(
 }
 
 // Bytes of packed weight prefetched ahead of the K-step being decoded (each K-step reads 32), one
-// prefetch per 64-byte line. On the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N =
+// prefetch per 64-byte line (per K-step where a block keeps one chain: its 16 rows are slow enough). On the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N =
 // 4096, 14336) the hardware prefetcher alone left M = 8..16 rows waiting on memory: 4.7-4.8 ms at
 // M = 16 without, 3.0-3.4 with 2048 bytes (then one prefetch per 256 bytes at M = 1). The M = 1..4
 // rows, whose decode is cheap, needed more: one line in four 2048 bytes ahead, M = 1: 1.5-2.2 ms;
