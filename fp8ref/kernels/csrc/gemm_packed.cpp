@@ -38,12 +38,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dpbf16_bcast(
 }
 
 // Bytes of packed weight prefetched ahead of the K-step being decoded (each K-step reads 32), one
-// prefetch per 64-byte line (per K-step where a block keeps one chain: its 16 rows are slow enough). On the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N =
-// 4096, 14336) the hardware prefetcher alone left M = 8..16 rows waiting on memory: 4.7-4.8 ms at
-// M = 16 without, 3.0-3.4 with 2048 bytes (then one prefetch per 256 bytes at M = 1). The M = 1..4
-// rows, whose decode is cheap, needed more: one line in four 2048 bytes ahead, M = 1: 1.5-2.2 ms;
-// every line 4096 ahead 1.5; 8192 1.0-1.4, as fast as an int64 sum of the same bytes; 12288 and
-// 16384 no better; M = 16 the same at every distance (docs/performance.md).
+// prefetch per 64-byte line (per K-step where a block keeps one chain: its 16 rows are slow enough).
+// On the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N = 4096, 14336) the hardware
+// prefetcher alone left M = 8..16 rows waiting on memory: 4.7-4.8 ms at M = 16 without, 3.0-3.4
+// with 2048 bytes (then one prefetch per 256 bytes at M = 1). The M = 1..4 rows, whose decode is
+// cheap, needed more: one line in four 2048 bytes ahead, M = 1: 1.5-2.2 ms; every line 4096 ahead
+// 1.5; 8192 1.0-1.4, as fast as an int64 sum of the same bytes; 12288 and 16384 no better; M = 16
+// the same at every distance (docs/performance.md).
 constexpr int64_t kPrefetch = 8192;
 
 // The scales of the two pair arrays (bf16 exponent steps) and what undoes them (header comment).
