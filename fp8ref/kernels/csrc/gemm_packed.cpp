@@ -141,7 +141,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void build_pairs(const ui
   const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)M));
   const __m512i mag = _mm512_set1_epi16(0x7FFF);
-  const __m512i hi_step = _mm512_set1_epi16((short)(kHiShift * 128)), lo_step = _mm512_set1_epi16((short)(kLoShift * 128));
+  const __m512i hi_step = _mm512_set1_epi16((short)(kHiShift * 128));
+  const __m512i lo_step = _mm512_set1_epi16((short)(kLoShift * 128));
   for (int64_t m = 0; m < M; ++m) {
     const uint8_t* row = a + m * K;
     for (int64_t k = 0; k < K32; k += 32) {

@@ -213,7 +213,8 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i code16
                                                                                   const Avx512Consts& c) {
   __m512i vb, C;
   const __m512i t = round16<T>(x, at, c, vb, C);
-  const __m512i mag = _mm512_add_epi32(_mm512_sub_epi32(t, C), _mm512_sub_epi32(_mm512_srl_epi32(C, _mm_cvtsi32_si128(c.shift)), c.kcode));
+  const __m512i step = _mm512_sub_epi32(_mm512_srl_epi32(C, _mm_cvtsi32_si128(c.shift)), c.kcode);
+  const __m512i mag = _mm512_add_epi32(_mm512_sub_epi32(t, C), step);
   if (NZ) return _mm512_ternarylogic_epi32(mag, _mm512_srli_epi32(vb, 24), c.signbit, 0xF8);  // mag | (vb >> 24 & 0x80)
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(vb, 24), c.signbit);
   return _mm512_or_si512(_mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512()), sign,
@@ -234,7 +235,8 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void quant_avx
       const __m512i p23 = _mm512_packus_epi32(code16<T, NZ>(x, k + 32, c), code16<T, NZ>(x, k + 48, c));
       _mm512_storeu_si512((uint8_t*)out + k, _mm512_permutexvar_epi32(order, _mm512_packus_epi16(p01, p23)));
     }
-    for (; k + 16 <= n; k += 16) _mm_storeu_si128((__m128i*)((uint8_t*)out + k), _mm512_cvtepi32_epi8(code16<T, NZ>(x, k, c)));
+    for (; k + 16 <= n; k += 16)
+      _mm_storeu_si128((__m128i*)((uint8_t*)out + k), _mm512_cvtepi32_epi8(code16<T, NZ>(x, k, c)));
   } else {
     for (; k + 16 <= n; k += 16) {
       __m512i vb, C;
