@@ -195,8 +195,8 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline Avx512Consts a
 
 // 16 elements: |v| (v = x / s) clamped to qmax and rounded onto the grid (t and C: MagicRound), and
 // v's bits (its sign). The clamp is an integer min on the magnitude's bits: non-negative floats
-// (+inf too: x / s may overflow with a static scale) order like their bit patterns, and v is never
-// NaN here (non-finite blocks are flagged before).
+// (+inf too) order like their bit patterns, and v is never NaN here (quant_blocks makes each
+// block's scale from its amax and skips blocks holding NaN or Inf).
 template <int T>
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i round16(const void* x, int64_t at,
                                                                                    const Avx512Consts& c, __m512i& vb,
@@ -255,7 +255,7 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void quant_avx
 
 // The constants of the AVX2 body, made once per segment.
 struct Avx2Consts {
-  __m256 sv, hi, lo;
+  __m256 sv, hi;  // hi = qmax: its bits clamp the magnitude
   __m256i absmask, expmask, cadd, csub, kcode;
   __m128i shc;
 };
@@ -278,7 +278,7 @@ template <int T, int MODE, bool NZ>
 __attribute__((target("avx2,f16c"), always_inline)) inline void quant_avx2(const void* x, int64_t n, float s, const Job& j, void* out) {
   const Fp8Params& f = j.f;
   const MagicRound& mr = j.mr;
-  const Avx2Consts c{_mm256_set1_ps(s),           _mm256_set1_ps(j.qmax),         _mm256_set1_ps(-j.qmax),
+  const Avx2Consts c{_mm256_set1_ps(s),           _mm256_set1_ps(j.qmax),
                      _mm256_set1_epi32(0x7FFFFFFF), _mm256_set1_epi32(0x7F800000), _mm256_set1_epi32(mr.cadd),
                      _mm256_set1_epi32(mr.csub),    _mm256_set1_epi32(mr.kcode),    _mm_cvtsi32_si128(23 - f.mant)};
   const __m256i signbit = _mm256_set1_epi32(0x80), fsign = _mm256_set1_epi32((int)0x80000000u);
