@@ -63,7 +63,7 @@ def _inputs(fmt, dtype, seed):
 
 
 #: The quantizer's code paths: each runs where the CPU has its instructions, else skips saying so.
-ISAS = {"scalar": (0, ""), "avx2": (1, "avx2 + f16c"), "avx512": (2, "avx512f + avx512bw")}
+ISAS = {"scalar": (0, ""), "avx2": (1, "avx2 + fma + f16c"), "avx512": (2, "avx512f + avx512bw")}
 
 
 def _isa(mod, name):
@@ -518,3 +518,90 @@ def test_native_quant_near_midpoints_after_division(mod, fmt, isa):
     x = torch.cat(rows).contiguous()
     for scheme in (QuantScheme(format=fmt), QuantScheme(format=fmt, granularity="group", group_size=64)):
         _check_native_quant(x, scheme, level)
+
+
+def _finite_bf16(limit: float) -> torch.Tensor:
+    """Every finite bf16 value with |x| <= limit (both signs, both zeros, subnormals)."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return x[torch.isfinite(x) & (x.float().abs() <= limit)]
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
+def test_native_quant_bf16_every_midpoint(mod, fmt, isa):
+    """bf16 input has its own AVX2 body (quant.cpp, quant_bf16_avx2: codes from a scaled magic
+    addition, the clamp skipped for an on-grid qmax). Every FP8 value and midpoint has few enough
+    significant bits to be a bf16, so rows whose amax is qmax * 2^k (a scale of exactly 2^k: x / s
+    is exact) holding every bf16 value up to that amax put each tie, each grid value and each of
+    their bf16 neighbours through the rounding, at three scales, per row and per group."""
+    level = _isa(mod, isa)
+    f = FORMATS[fmt]
+    for k in (0, -3, 5):
+        amax = f.max * 2.0 ** k
+        vals = _finite_bf16(amax)
+        pad = (-vals.numel()) % (31 * 8)
+        vals = torch.cat([vals, torch.zeros(pad, dtype=torch.bfloat16)]).reshape(-1, 31)
+        # each 32-element group starts with amax; rows of 8 groups
+        x = torch.cat([torch.full((vals.shape[0], 1), amax, dtype=torch.bfloat16), vals], dim=1).reshape(-1, 256)
+        x = x.contiguous()
+        for scheme in (QuantScheme(format=fmt), QuantScheme(format=fmt, granularity="group", group_size=32)):
+            assert bool((quant.quantize(x, scheme).scale == 2.0 ** k).all())
+            _check_native_quant(x, scheme, level)
+
+
+def test_native_quant_bf16_off_grid_qmax_clamps(mod):
+    """quant_blocks takes any qmax, and one that is not an FP8 value keeps the clamp in the bf16 AVX2
+    body (quant_bf16_avx2<.., CLAMP>; QuantScheme admits only grid values, so this calls the
+    extension directly and compares with its scalar path, whose explicit clamp the spec tests
+    cover). qmax is one fp32 ulp below E4M3FN's midpoint 304 (between 288 and 320); the rows' amax
+    values are chosen so that amax / s lands above qmax (asserted), where the value unclamped
+    would round to 320 and the clamped one rounds to 288."""
+    _isa(mod, "avx2")
+    qmax = float(torch.tensor(304.0).view(torch.int32).sub(1).view(torch.float32))
+    amax = _finite_bf16(1e4)
+    amax = amax[amax.float() > 1]
+    s = (amax.float() / torch.tensor(qmax)).float()
+    over = amax[(amax.float() / s) >= 304.0][:64]
+    assert over.numel() > 0, "no bf16 amax makes amax / s reach the midpoint: the test would not test the clamp"
+    x = (over.reshape(-1, 1) * torch.tensor([1.0, -1.0, 0.5, 0.25], dtype=torch.bfloat16)).to(torch.bfloat16)
+    x = torch.cat([x, x.flip(1)] * 8, dim=1).contiguous()  # 64 columns: the vector body, not only the tail
+    args = (qmax, 0.0, 3, -6, 7, True, False, 0)
+    for r, c in ((1, 64), (1, 32)):
+        vec, scalar = mod.quant_blocks(x, r, c, *args, 1), mod.quant_blocks(x, r, c, *args, 0)
+        assert torch.equal(vec[1], scalar[1])
+        assert torch.equal(vec[0], scalar[0]), (r, c)
+    assert bool((vec[0][:, 0] == 0x79).all())  # 288 (clamped); unclamped, the tie at 304 would give 320, 0x7A
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_native_quant_ignores_flush_to_zero(mod, isa, dtype):
+    """The quantizer computes IEEE results whatever MXCSR the calling thread has: under
+    torch.set_flush_denormal(True) (FTZ and DAZ), rows of subnormal inputs (scale FLT_MIN with no
+    floor: a DAZ'd amax would give another scale) and rows whose values round to FP8 subnormals (the
+    bf16 body produces fp32 subnormals on the way: quant_bf16_avx2) must give the spec's bits,
+    computed beforehand without flushing. One thread, so the calling thread runs the loops."""
+    level = _isa(mod, isa)
+    dt = DTYPES[dtype]
+    tiny = torch.arange(1, 65, dtype=torch.float32) * 2.0 ** -133  # bf16 subnormals
+    small = torch.linspace(-4 * E4M3FN.smallest_normal, 4 * E4M3FN.smallest_normal, 63)
+    rows = [torch.cat([tiny, -tiny]), torch.cat([torch.tensor([E4M3FN.max]), small, -small, torch.zeros(1)])]
+    x = torch.stack([r[:128] for r in rows]).to(dt).contiguous()
+    scheme = QuantScheme(amax_floor=0.0)
+    schemes = (scheme, scheme.with_(granularity="group", group_size=32))
+    refs = [quant.quantize(x, sc) for sc in schemes]
+    assert bool((refs[0].data.view(torch.uint8)[0] != 0).any()), "the subnormal row must have non-zero codes"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if not torch.set_flush_denormal(True):
+        torch.set_num_threads(threads)
+        pytest.skip("this CPU cannot flush denormals (torch.set_flush_denormal returned False)")
+    try:
+        outs = [_common.native_quant(x, sc, 0, level) for sc in schemes]
+        assert float(torch.tensor(2.0 ** -140) * 1) == 0.0  # flushing is on: the check means something
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    for ref, (out, sc, _) in zip(refs, outs, strict=True):
+        assert torch.equal(sc, ref.scale)
+        assert torch.equal(out, ref.data.view(torch.uint8))

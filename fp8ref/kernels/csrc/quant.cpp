@@ -9,7 +9,7 @@
 // exponent bias `bias` (E4M3FN, E5M2, E4M3FNUZ); `negzero` says whether it has a -0.
 //
 // Three code paths with the same arithmetic, chosen at run time (never from the build machine):
-// AVX-512 (16 lanes), AVX2 + F16C (8 lanes), scalar. Vector bodies end in the scalar loop for the
+// AVX-512 (16 lanes), AVX2 + FMA + F16C (8 lanes), scalar. Vector bodies end in the scalar loop for the
 // tail of each row segment, so every path computes every element by the same expressions.
 #include <algorithm>
 #include <cfloat>
@@ -91,6 +91,7 @@ struct Job {
   Fp8Params f;
   float qmax;
   MagicRound mr;
+  bool qmax_on_grid;  // qmax is an FP8 value: quant_bf16codes_avx2 may skip its clamp
 };
 
 // ---- amax of a row segment x[0, n) (max |x|), and whether it holds NaN or +-Inf ----
@@ -136,7 +137,7 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void amax_avx5
 }
 
 template <int T>
-__attribute__((target("avx2,f16c"), always_inline)) inline void amax_avx2(const void* x, int64_t n, float& amax, bool& bad) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void amax_avx2(const void* x, int64_t n, float& amax, bool& bad) {
   int64_t k = 0;
   if (T == 0) {
     const __m256i magmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
@@ -156,10 +157,9 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void amax_avx2(const 
     __m256i m = _mm256_setzero_si256();
     for (; k + 16 <= n; k += 16)
       m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + k)), magmask));
-    alignas(32) uint16_t lanes[16];
-    _mm256_store_si256((__m256i*)lanes, m);
-    uint16_t top = 0;
-    for (uint16_t l : lanes) top = std::max(top, l);
+    // the largest of 16 uint16 (as amax_avx512): the smallest of their complements (phminposuw)
+    const __m128i q = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    const uint16_t top = (uint16_t)~_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(q, _mm_set1_epi32(-1))));
     const float f = load_one(&top, 0, T);
     if (!std::isfinite(f)) bad = true;
     else amax = std::max(amax, f);
@@ -253,6 +253,96 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void quant_avx
   quant_scalar(x, k, n, T, s, j, MODE, out);
 }
 
+// ---- bf16 to FP8 codes on AVX2 (mode 0, the case every CPU backend's quantize runs) ----
+// The arithmetic of quant8_avx2 below in fewer instructions (46 per 32 elements, 84 before; on the
+// 2-vCPU Zen 3 of docs/performance.md the loop is bound by its instruction count):
+// - The split. A 32-bit lane of 16 loaded bf16 holds two elements, the even one in its low half:
+//   |even| is the lane's magnitude bits shifted left by 16, |odd| the lane with its low half
+//   cleared, both exact fp32 (no unpacking shuffles). Dividing magnitudes makes v = |x| / s >= 0.
+// - The code. The FP8 code of a value r >= 0 on the grid is bits(r * 2^(bias - 127)) >> (23 - mant):
+//   for a normal r that product's exponent field is r's FP8 exponent field and its top mant
+//   mantissa bits are r's; a subnormal r = m 2^(emin - mant) (emin = 1 - bias) becomes the fp32
+//   subnormal m 2^(23 - mant) 2^-149, whose bits are m << (23 - mant). The magic addition of
+//   MagicRound is done in that scaled domain, t' = fma(v, K, C K) with K = 2^(bias - 127):
+//   (v + C) K is rounded once, and as C K >= 2^(emin + 23 - mant + bias - 127) is a normal fp32
+//   that rounding is RN(v + C) K exactly (a power-of-two scaling commutes with rounding to
+//   nearest in the normal range). C K comes from v's exponent bits by the same three integer
+//   operations as C (cadd and csub shifted by the scaling's exponent step), and t' - C K = r K
+//   exactly (Sterbenz). No subnormal is flushed: quant_blocks clears MXCSR's FTZ and DAZ bits.
+// - The narrowing. The even code (bits 23 - mant up) is shifted down by 16, the odd one stays in
+//   the lane's high half; one 16-bit shift by 7 - mant leaves each element's code in its own
+//   16-bit lane, in element order, and one pack makes bytes. The signs come from the input: a
+//   signed-saturating pack of the bf16 patterns to bytes keeps each element's sign bit in bit 7,
+//   in the same order as the codes.
+// - The clamp to qmax is skipped when qmax is on the FP8 grid (qmax_on_grid): v = fl(|x| / s) with
+//   |x| <= amax and s >= fl(max(amax, floor) / qmax) exceeds qmax by at most a few fp32 ulps,
+//   which round to qmax, as the clamped value does (the midpoint above qmax is half an FP8
+//   quantum, more than 2^-(mant + 2) qmax, away). With the clamp the loop is 50 instructions.
+struct Bf16Consts {
+  __m256 sv, kv;
+  __m256i qmaxbits, expmask, cadd, csub, absmask, himask;
+  __m128i narrow;  // 7 - mant
+};
+
+// bits(r K) for the FP8 value r of 8 magnitudes v = |x| / s
+template <bool CLAMP>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256i scaled_code8(__m256 xv, const Bf16Consts& c) {
+  __m256i ab = _mm256_castps_si256(_mm256_div_ps(xv, c.sv));
+  if (CLAMP) ab = _mm256_min_epu32(ab, c.qmaxbits);
+  const __m256 ck = _mm256_castsi256_ps(_mm256_max_epi32(_mm256_add_epi32(_mm256_and_si256(ab, c.expmask), c.cadd), c.csub));
+  return _mm256_castps_si256(_mm256_sub_ps(_mm256_fmadd_ps(_mm256_castsi256_ps(ab), c.kv, ck), ck));
+}
+
+// The magnitude codes of 16 bf16 patterns, one per 16-bit lane, in element order.
+template <bool CLAMP>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256i codes16_bf16(__m256i h, const Bf16Consts& c) {
+  const __m256i ha = _mm256_and_si256(h, c.absmask);
+  const __m256i even = _mm256_srli_epi32(scaled_code8<CLAMP>(_mm256_castsi256_ps(_mm256_slli_epi32(ha, 16)), c), 16);
+  const __m256i odd = scaled_code8<CLAMP>(_mm256_castsi256_ps(_mm256_and_si256(ha, c.himask)), c);
+  return _mm256_srl_epi16(_mm256_or_si256(even, odd), c.narrow);
+}
+
+// A row segment of n elements in groups of c with scales s[g] (0: the group is skipped): the
+// constants are made once per segment, so groups of 128 cost little more than whole rows.
+template <bool NZ, bool CLAMP>
+__attribute__((target("avx2,fma,f16c"))) void quant_bf16_avx2(const void* x, int64_t n, int64_t c, const float* s,
+                                                              const Job& j, void* out) {
+  const int32_t kshift = (127 - j.f.bias) << 23;  // the exponent step of the scaling by K
+  const int32_t kbits = j.f.bias << 23;           // K = 2^(bias - 127) as fp32 bits
+  int32_t qbits;
+  std::memcpy(&qbits, &j.qmax, 4);
+  float kv;
+  std::memcpy(&kv, &kbits, 4);
+  Bf16Consts k{_mm256_setzero_ps(),
+               _mm256_set1_ps(kv),
+               _mm256_set1_epi32(qbits),
+               _mm256_set1_epi32(0x7F800000),
+               _mm256_set1_epi32(j.mr.cadd - kshift),
+               _mm256_set1_epi32(j.mr.csub - kshift),
+               _mm256_set1_epi32(0x7FFF7FFF),
+               _mm256_set1_epi32((int)0xFFFF0000u),
+               _mm_cvtsi32_si128(7 - j.f.mant)};
+  const __m256i sign8 = _mm256_set1_epi8((char)0x80);
+  const uint16_t* xp = (const uint16_t*)x;
+  uint8_t* op = (uint8_t*)out;
+  for (int64_t g0 = 0, g = 0; g0 < n; g0 += c, ++g) {
+    if (s[g] == 0.0f) continue;
+    const int64_t end = std::min(n, g0 + c);
+    k.sv = _mm256_set1_ps(s[g]);
+    int64_t i = g0;
+    for (; i + 32 <= end; i += 32) {
+      const __m256i h0 = _mm256_loadu_si256((const __m256i*)(xp + i));
+      const __m256i h1 = _mm256_loadu_si256((const __m256i*)(xp + i + 16));
+      const __m256i mag = _mm256_packus_epi16(codes16_bf16<CLAMP>(h0, k), codes16_bf16<CLAMP>(h1, k));
+      __m256i sign = _mm256_and_si256(_mm256_packs_epi16(h0, h1), sign8);
+      if (!NZ) sign = _mm256_andnot_si256(_mm256_cmpeq_epi8(mag, _mm256_setzero_si256()), sign);  // FNUZ has no -0
+      // packs work within 128-bit halves: 8-byte blocks 0, 2, 1, 3 hold elements 0-7, 8-15, 16-23, 24-31
+      _mm256_storeu_si256((__m256i*)(op + i), _mm256_permute4x64_epi64(_mm256_or_si256(mag, sign), 0xD8));
+    }
+    if (i < end) quant_scalar(x, i, end, 1, s[g], j, 0, out);
+  }
+}
+
 // The constants of the AVX2 body, made once per segment.
 struct Avx2Consts {
   __m256 sv, hi;  // hi = qmax: its bits clamp the magnitude
@@ -263,7 +353,7 @@ struct Avx2Consts {
 // 8 elements: the magnitude of the rounded value as fp32 bits (mode 1/2) or its FP8 magnitude
 // code (mode 0), and the bits of v (for the sign). The arithmetic of quant_avx512.
 template <int T, int MODE>
-__attribute__((target("avx2,f16c"))) inline __m256i quant8_avx2(const void* x, int64_t k, const Avx2Consts& c,
+__attribute__((target("avx2,fma,f16c"))) inline __m256i quant8_avx2(const void* x, int64_t k, const Avx2Consts& c,
                                                                 __m256i& vbits) {
   // the clamp to qmax as an integer min on the magnitude's bits (as round16 in the AVX-512 body)
   vbits = _mm256_castps_si256(_mm256_div_ps(load8(x, k, T), c.sv));
@@ -275,7 +365,7 @@ __attribute__((target("avx2,f16c"))) inline __m256i quant8_avx2(const void* x, i
 }
 
 template <int T, int MODE, bool NZ>
-__attribute__((target("avx2,f16c"), always_inline)) inline void quant_avx2(const void* x, int64_t n, float s, const Job& j, void* out) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void quant_avx2(const void* x, int64_t n, float s, const Job& j, void* out) {
   const Fp8Params& f = j.f;
   const MagicRound& mr = j.mr;
   const Avx2Consts c{_mm256_set1_ps(s),           _mm256_set1_ps(j.qmax),
@@ -337,7 +427,7 @@ constexpr int64_t out_size() {
   return MODE == 0 ? 1 : (MODE == 1 ? 2 : 4);
 }
 
-#define FP8REF_GROUPS(ISA, TARGET)                                                                          \
+#define FP8REF_AMAX_GROUPS(ISA, TARGET)                                                                     \
   template <int T>                                                                                          \
   TARGET void amax_groups_##ISA(const void* x, int64_t n, int64_t c, float* amax, char* bad) {              \
     for (int64_t g0 = 0, g = 0; g0 < n; g0 += c, ++g) {                                                     \
@@ -345,7 +435,8 @@ constexpr int64_t out_size() {
       amax_##ISA<T>((const char*)x + g0 * in_size<T>(), std::min(c, n - g0), amax[g], b);                   \
       if (b) bad[g] = 1;                                                                                    \
     }                                                                                                       \
-  }                                                                                                         \
+  }
+#define FP8REF_QUANT_GROUPS(ISA, TARGET)                                                                    \
   template <int T, int MODE, bool NZ>                                                                       \
   TARGET void quant_groups_##ISA(const void* x, int64_t n, int64_t c, const float* s, const Job& j, void* out) { \
     for (int64_t g0 = 0, g = 0; g0 < n; g0 += c, ++g)                                                       \
@@ -353,6 +444,18 @@ constexpr int64_t out_size() {
         quant_##ISA<T, MODE, NZ>((const char*)x + g0 * in_size<T>(), std::min(c, n - g0), s[g], j,          \
                                  (char*)out + g0 * out_size<MODE>());                                       \
   }
+
+// AVX2: bf16 to codes takes its own body (every format: each has smallest normal 2^(1 - bias)).
+template <int T, int MODE, bool NZ>
+__attribute__((target("avx2,fma,f16c"))) void quant_groups_avx2(const void* x, int64_t n, int64_t c, const float* s,
+                                                                const Job& j, void* out) {
+  if (T == 1 && MODE == 0 && j.f.emin == 1 - j.f.bias)
+    return j.qmax_on_grid ? quant_bf16_avx2<NZ, false>(x, n, c, s, j, out) : quant_bf16_avx2<NZ, true>(x, n, c, s, j, out);
+  for (int64_t g0 = 0, g = 0; g0 < n; g0 += c, ++g)
+    if (s[g] != 0.0f)
+      quant_avx2<T, MODE, NZ>((const char*)x + g0 * in_size<T>(), std::min(c, n - g0), s[g], j,
+                              (char*)out + g0 * out_size<MODE>());
+}
 
 template <int T>
 inline void amax_plain(const void* x, int64_t n, float& amax, bool& bad) {
@@ -363,10 +466,13 @@ inline void quant_plain(const void* x, int64_t n, float s, const Job& j, void* o
   quant_scalar(x, 0, n, T, s, j, MODE, out);
 }
 
-FP8REF_GROUPS(avx512, __attribute__((target("avx512f,avx512bw"))))
-FP8REF_GROUPS(avx2, __attribute__((target("avx2,f16c"))))
-FP8REF_GROUPS(plain, )
-#undef FP8REF_GROUPS
+FP8REF_AMAX_GROUPS(avx512, __attribute__((target("avx512f,avx512bw"))))
+FP8REF_AMAX_GROUPS(avx2, __attribute__((target("avx2,fma,f16c"))))
+FP8REF_AMAX_GROUPS(plain, )
+FP8REF_QUANT_GROUPS(avx512, __attribute__((target("avx512f,avx512bw"))))
+FP8REF_QUANT_GROUPS(plain, )
+#undef FP8REF_AMAX_GROUPS
+#undef FP8REF_QUANT_GROUPS
 
 // The instantiation for (isa, input type, mode, -0) chosen once per call.
 template <int T>
@@ -387,6 +493,21 @@ QuantFn quant_for1(int64_t isa, int mode, bool nz) {
   return mode == 0 ? quant_for2<T, 0>(isa, nz) : (mode == 1 ? quant_for2<T, 1>(isa, nz) : quant_for2<T, 2>(isa, nz));
 }
 
+// MXCSR without flush-to-zero (bit 15) and denormals-are-zero (bit 6) while the guard lives, on
+// the thread that made it: the kernels compute IEEE results whatever the caller set (for
+// example torch.set_flush_denormal(True), which sets both), and quant_bf16_avx2 relies on it.
+struct CsrGuard {
+  unsigned saved;
+  CsrGuard() : saved(_mm_getcsr()) {
+    if (saved & 0x8040u) _mm_setcsr(saved & ~0x8040u);
+  }
+  ~CsrGuard() {
+    if (saved & 0x8040u) _mm_setcsr(saved);
+  }
+  CsrGuard(const CsrGuard&) = delete;
+  CsrGuard& operator=(const CsrGuard&) = delete;
+};
+
 // The spec's scale of a block with this amax (compute_scale, fp32 scale_dtype); 0 if it overflows.
 float block_scale(float amax, float qmax, float floor, bool pow2) {
   float s = std::max(amax, floor) / qmax;
@@ -404,7 +525,7 @@ float block_scale(float amax, float qmax, float floor, bool pow2) {
 
 int64_t cpu_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return 1;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
   return 0;
 }
 
@@ -427,6 +548,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
               "quant_blocks: qmax must be finite and > 0 and floor finite and >= 0, got ", qmax, " and ", floor);
   const int64_t best = cpu_isa();
   if (isa < 0) isa = best;
+  const CsrGuard csr;  // this thread's part (the scales); each parallel_for body makes its own
   TORCH_CHECK(isa <= best, "this CPU lacks the instructions of code path ", isa);
   const int t = st == at::kFloat ? 0 : (st == at::kBFloat16 ? 1 : 2);
   const int64_t M = x.size(0), K = x.size(1);
@@ -440,7 +562,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
   auto amax = at::empty({R, C}, at::dtype(at::kFloat));
   if (M == 0 || K == 0) return {out, scale, amax};
   const Fp8Params fp{(int)mant, (int)emin, (int)bias, negzero};
-  const Job job{fp, (float)qmax, magic_round(fp)};
+  const Job job{fp, (float)qmax, magic_round(fp), fp8_round((float)qmax, fp) == (float)qmax};
   const AmaxFn amax_fn = t == 0 ? amax_for<0>(isa) : (t == 1 ? amax_for<1>(isa) : amax_for<2>(isa));
   const int md = (int)mode;
   const QuantFn quant_fn = t == 0   ? quant_for1<0>(isa, md, negzero)
@@ -458,6 +580,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
     std::vector<float> row_amax(M, 0.0f);
     std::vector<char> row_bad(M, 0);
     at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+      const CsrGuard csr;
       for (int64_t m = m0; m < m1; ++m) amax_fn(xp + m * K * isz, K, K, &row_amax[m], &row_bad[m]);
     });
     float a = 0.0f;
@@ -471,6 +594,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
     ap[0] = s == 0.0f ? INFINITY : a;
     if (s == 0.0f) return {out, scale, amax};
     at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+      const CsrGuard csr;
       for (int64_t m = m0; m < m1; ++m) quant_fn(xp + m * K * isz, K, K, &s, job, op + m * K * osz);
     });
     return {out, scale, amax};
@@ -480,6 +604,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
     // Blocks one row high: a whole row per work item, its groups' amaxes in one pass, then the row
     // quantized while it is still in L1/L2.
     at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+      const CsrGuard csr;
       std::vector<float> ba(C), bs(C);
       std::vector<char> bb(C);
       for (int64_t m = m0; m < m1; ++m) {
@@ -506,6 +631,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
   // runs, 3.3 with 1024-column runs (whose second pass should hit L2; it did not pay).
   const int64_t cb = std::max<int64_t>(1, 4096 / c), runs = (C + cb - 1) / cb;
   at::parallel_for(0, R * runs, 1, [&](int64_t i0, int64_t i1) {
+    const CsrGuard csr;
     std::vector<float> ba(cb), bs(cb);
     std::vector<char> bb(cb);
     for (int64_t item = i0; item < i1; ++item) {
