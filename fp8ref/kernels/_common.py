@@ -19,9 +19,9 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
-__all__ = ["PreparedWeight", "Shared", "fast_quantize", "native_quant", "native_rows", "native_format_args",
-           "segment_scale", "check_finite", "check_mm_args", "empty_result", "unwrap", "pad_last", "pad_weight",
-           "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
+__all__ = ["PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "native_quant", "native_rows",
+           "native_format_args", "segment_scale", "check_finite", "check_mm_args", "empty_result", "unwrap",
+           "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,6 +197,16 @@ def _fast_ok(scheme: QuantScheme) -> bool:
     return scheme.dynamic and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule
 
 
+def amax_all_finite(amax: torch.Tensor) -> bool:
+    """Whether every block's amax is finite: one reduction and one ``item()``. The amaxes are
+    magnitudes, +inf for a block holding NaN or Inf (or whose scale overflows) in the extension's
+    answer; an eager amax over NaN is NaN, which compares false as well. Measured on the 2-vCPU
+    Zen 3 EPYC for [1024, 32] group amaxes: 11 us, against 96-180 us for
+    ``bool(torch.isfinite(amax).all())`` (8-15 % of a per-group quantization of [1024, 4096] bf16).
+    """
+    return amax.numel() == 0 or amax.max().item() < math.inf
+
+
 def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
     """``fp8ref.quantize`` for dynamic schemes with fp32 scales, in fewer passes over ``x``.
 
@@ -235,7 +245,7 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
     got = native_quant(x, scheme, 0)
     if got is not None:
         codes, s, amax = got
-        if not bool(torch.isfinite(amax).all()):
+        if not amax_all_finite(amax):
             return quant.quantize(x, scheme)  # raises: NaN/Inf in x, or a scale that overflows
         return Quantized(codes.view(scheme.format.torch_dtype), s, scheme, 0)
     g = scheme.granularity
@@ -251,7 +261,7 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
         expand = lambda s: s.repeat_interleave(G, dim=1)  # noqa: E731
     else:
         return quant.quantize(x, scheme)
-    if not bool(torch.isfinite(amax).all()):
+    if not amax_all_finite(amax):
         quant.check_float_input(x)  # raises with the location of the first bad element
     s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
     s = torch.where(s == 0, torch.ones_like(s), s)

@@ -63,6 +63,7 @@ from . import native
 from ._common import (
     PreparedWeight,
     Shared,
+    amax_all_finite,
     bias_fp32,
     check_mm_args,
     empty_result,
@@ -306,7 +307,7 @@ class CpuWideBackend(Backend):
 
     @staticmethod
     def _checked(x, q, s, amax, scheme) -> Quantized:
-        if not bool(torch.isfinite(amax).all()):
+        if not amax_all_finite(amax):
             check_float_input(x)  # raises, naming the first non-finite element
         return Quantized(q, s, scheme, 0)
 
@@ -420,7 +421,7 @@ class CpuWideBackend(Backend):
             a_wide, sa, amax = _COMPILED.run("wide", _quant_wide, *args)
         else:
             a_wide, sa, amax = _quant_wide(*args)
-        if not bool(torch.isfinite(amax).all()):
+        if not amax_all_finite(amax):
             check_float_input(x)
         sb = segment_scale(b, 0).reshape(1, -1)
         y = self._gemm(a_wide, self._weight(b, extra, False))
