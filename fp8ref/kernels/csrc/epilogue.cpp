@@ -1,5 +1,5 @@
 // The scale epilogue of the wide-GEMM CPU backends (cpu-bf16, cpu-fp32), fused into one pass
-// (AVX-512, AVX2 + F16C or scalar, chosen at run time by cpu_isa()).
+// (AVX-512, AVX2 + FMA + F16C or scalar, chosen at run time by cpu_isa()).
 //
 // out[m, n] = round((y[m, n] * sa[m]) * sb[n] (+ bias[n])), all in fp32, rounded once to bf16 (or
 // kept fp32): the eager epilogue's expression order, so the result is bit-identical to it (as long

@@ -46,7 +46,7 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
 at::Tensor amx_emu_tdpbf16ps(at::Tensor c, at::Tensor a, at::Tensor b);
 
 // quant.cpp: dynamic quantization with r x c blocks of one scale, bit-identical to
-// fp8ref.spec.quant.quantize; cpu_isa() is the best code path this CPU runs (0 scalar, 1 AVX2 + F16C,
+// fp8ref.spec.quant.quantize; cpu_isa() is the best code path this CPU runs (0 scalar, 1 AVX2 + FMA + F16C,
 // 2 AVX-512), which every kernel file checks the same way.
 int64_t cpu_isa();
 std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double qmax, double floor, int64_t mant,
