@@ -91,7 +91,7 @@ struct Job {
   Fp8Params f;
   float qmax;
   MagicRound mr;
-  bool qmax_on_grid;  // qmax is an FP8 value: quant_bf16codes_avx2 may skip its clamp
+  bool qmax_on_grid;  // qmax is an FP8 value: quant_bf16_avx2 may skip its clamp
 };
 
 // ---- amax of a row segment x[0, n) (max |x|), and whether it holds NaN or +-Inf ----
