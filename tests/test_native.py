@@ -605,3 +605,91 @@ def test_native_quant_ignores_flush_to_zero(mod, isa, dtype):
     for ref, (out, sc, _) in zip(refs, outs, strict=True):
         assert torch.equal(sc, ref.scale)
         assert torch.equal(out, ref.data.view(torch.uint8))
+
+
+def _many_groups(dtype, g):
+    """[5, 16 * 27] rows whose 16-element groups have amaxes of every kind the scale rule meets:
+    exact powers of two times qmax (a pow2 scale stays), zeros (s = 0 -> 1), values just above and
+    below powers of two, tiny ones (a subnormal scale becomes FLT_MIN; fp32/bf16 only) and large ones.
+    27 groups: three batches of eight for the vector code plus a tail."""
+    x = torch.randn(5, 27, 16, generator=g)
+    lo, hi = (-14, 8) if dtype == torch.float16 else (-20, 20)  # fp16 holds 2^-14 .. 65504 as normals
+    mags = [2.0 ** float(e) for e in torch.randint(lo, hi, (5, 27), generator=g).flatten()]
+    x = x / x.abs().amax(dim=2, keepdim=True) * torch.tensor(mags).reshape(5, 27, 1)
+    x[0, 3] = 0.0
+    x[1, :8, 0] = E4M3FN.max * 2.0 ** 5  # amax exactly qmax 2^5: s = 2^5, a power of two
+    x[1, 8:16, 0] = E4M3FN.max * 2.0 ** 5 * (1 + 2.0 ** -7)  # just above: pow2 rounds up to 2^6
+    if dtype != torch.float16:
+        x[2, 5:20] *= 2.0 ** -125  # amaxes near 2^-125: s = amax / 448 is an fp32 subnormal
+    return x.reshape(5, 27 * 16).to(dtype)
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_native_quant_scales_of_many_groups(mod, dtype, isa):
+    """The scales (and codes) of rows of 27 groups, batches of eight as the vector code takes them:
+    each scale rule (floor or none, power-of-two or not) on group and block scales, equal to the spec."""
+    level = _isa(mod, isa)
+    x = _many_groups(DTYPES[dtype], torch.Generator().manual_seed(5))
+    for base in (QuantScheme(granularity="group", group_size=16), QuantScheme(granularity="block", block=(2, 16))):
+        for opts in ({}, dict(amax_floor=0.0), dict(pow2_scale=True), dict(pow2_scale=True, amax_floor=0.0)):
+            scheme = base.with_(**opts)
+            ref = quant.quantize(x, scheme)
+            out, s, amax = _common.native_quant(x, scheme, 0, level)
+            assert torch.equal(s, ref.scale), (scheme.short_str(), opts)
+            assert torch.equal(out, ref.data.view(torch.uint8)), (scheme.short_str(), opts)
+            assert bool(torch.isfinite(amax).all())
+    if dtype != "fp16":  # the subnormal scales are there, so the check above covered them
+        no_floor = QuantScheme(granularity="group", group_size=16, amax_floor=0.0)
+        assert float(quant.quantize(x, no_floor).scale[2, 6]) == torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_native_quant_drops_exactly_the_bad_groups(mod, dtype, isa):
+    """NaN, +Inf and -Inf in some of 27 groups (inside batches of eight and in the tail), and scales
+    that overflow fp32 (by the division, and by the power-of-two rounding alone): exactly those
+    blocks get amax +inf; every other block keeps the spec's scale; fast_quantize raises as the spec."""
+    level = _isa(mod, isa)
+    dt = DTYPES[dtype]
+    x = torch.randn(4, 27 * 16, generator=torch.Generator().manual_seed(6)).to(dt)
+    bad = {(0, 2): math.nan, (0, 9): math.inf, (1, 7): -math.inf, (2, 26): math.nan, (3, 0): math.inf, (3, 8): math.nan}
+    for (r, grp), v in bad.items():
+        x[r, grp * 16 + 5] = v
+    clean = x.clone()
+    for (r, grp) in bad:
+        clean[r, grp * 16 + 5] = 0.0
+    scheme = QuantScheme(granularity="group", group_size=16)
+    _, s, amax = _common.native_quant(x, scheme, 0, level)
+    ref = quant.quantize(clean, scheme)
+    dropped = torch.zeros(4, 27, dtype=torch.bool)
+    for key in bad:
+        dropped[key] = True
+    assert torch.equal(torch.isinf(amax), dropped)
+    assert torch.equal(s[~dropped], ref.scale[~dropped]) and bool((s[dropped] == 1).all())
+    with pytest.raises(ValueError, match="NaN|Inf|finite"):
+        _common.fast_quantize(x, scheme)
+    if dtype == "fp16":
+        return  # fp16 cannot hold the amaxes below
+    # qmax 2^-9: amax 2^120 overflows s; amax 1.5 2^117 gives s = 1.5 2^126, finite, whose power of two is 2^127
+    # (kept), and 1.5 2^118 gives 1.5 2^127, whose power of two 2^128 overflows (pow2 only)
+    tiny_q = QuantScheme(qmax=2.0 ** -9, granularity="group", group_size=16)
+    y = torch.ones(2, 27 * 16)
+    y[0, 4 * 16] = 2.0 ** 120
+    y[1, 3 * 16 + 1] = 1.5 * 2.0 ** 117
+    y[1, 12 * 16 + 2] = 1.5 * 2.0 ** 118
+    y = y.to(dt)
+    for pow2, want in ((False, {(0, 4)}), (True, {(0, 4), (1, 12)})):
+        sc = tiny_q.with_(pow2_scale=pow2)
+        _, s, amax = _common.native_quant(y, sc, 0, level)
+        assert {tuple(i) for i in torch.isinf(amax).nonzero().tolist()} == want, pow2
+        keep = torch.isfinite(amax)
+        with pytest.raises(ValueError, match="overflows") as spec_err:
+            quant.quantize(y, sc)
+        with pytest.raises(ValueError, match="overflows") as fast_err:
+            _common.fast_quantize(y, sc)
+        assert str(fast_err.value) == str(spec_err.value)
+        y2 = y.clone()
+        for r, grp in want:
+            y2[r, grp * 16: grp * 16 + 16] = 1.0
+        assert torch.equal(s[keep], quant.quantize(y2, sc).scale[keep]), pow2

@@ -111,7 +111,7 @@ static inline uint16_t bf16_bits(float f) {
 
 // Guard of an entry point: `t` is a contiguous fp32 CPU tensor of n elements (a scale or bias vector
 // that the kernel indexes 0..n-1). Every function bound in bindings.cpp checks what it indexes at its
-// top, so a bad argument raises RuntimeError instead of reading out of bounds (tests/test_native_guards.py).
+// top, so a bad argument raises RuntimeError instead of reading out of bounds (tests/test_native.py::test_entry_points_guard_their_operands).
 static inline void check_fp32_vector(const at::Tensor& t, int64_t n, const char* fn, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, fn,
               ": ", what, " must be a contiguous fp32 CPU tensor of ", n, " elements, got ", t.scalar_type(),

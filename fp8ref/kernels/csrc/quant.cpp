@@ -445,6 +445,56 @@ constexpr int64_t out_size() {
                                  (char*)out + g0 * out_size<MODE>());                                       \
   }
 
+// The largest uint16 of each of a[0..7] (8 lanes each), as lane g of the result: three rounds of
+// interleaving unpacks and maxima (21 operations for 8 groups, against 6 per group for a
+// phminposuw reduction and its scalar follow-up).
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m128i max_lanes8_epu16(const __m128i* a) {
+  __m128i p[4], q[2];
+  for (int i = 0; i < 4; ++i)  // 32-bit element e: (group 2i, group 2i + 1) partials of lanes e, e + 4
+    p[i] = _mm_max_epu16(_mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]), _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // 64-bit halves: groups 4i .. 4i + 3, two partials each
+    q[i] = _mm_max_epu16(_mm_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+  return _mm_max_epu16(_mm_unpacklo_epi64(q[0], q[1]), _mm_unpackhi_epi64(q[0], q[1]));
+}
+
+// amax_groups_avx2 for bf16/fp16 in groups of c (a multiple of 16): eight whole groups at a time,
+// each reduced to 8 lanes of magnitude patterns, the eight reduced together (max_lanes8_epu16) and
+// widened to fp32 in one go; the remaining groups as amax_avx2. The same maxima: a max of patterns
+// is the pattern of the max.
+template <int T>
+__attribute__((target("avx2,fma,f16c"))) void amax_groups16_avx2(const void* x, int64_t n, int64_t c, float* amax,
+                                                                 char* bad) {
+  const __m256i magmask = _mm256_set1_epi16(0x7FFF);
+  const __m256i finite = _mm256_set1_epi32(T == 1 ? 0x7F7F : 0x7BFF);  // the largest finite magnitude pattern
+  const uint16_t* xp = (const uint16_t*)x;
+  int64_t g = 0;
+  for (; (g + 8) * c <= n; g += 8) {
+    __m128i part[8];
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t* p = xp + (g + i) * c;
+      __m256i m = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)p), magmask);
+      for (int64_t k = 16; k < c; k += 16)
+        m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(p + k)), magmask));
+      part[i] = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    }
+    const __m128i top = max_lanes8_epu16(part);
+    const __m256i wide = _mm256_cvtepu16_epi32(top);
+    const int nonfinite = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(wide, finite)));
+    const __m256 f = T == 1 ? _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)) : _mm256_cvtph_ps(top);
+    // non-negative fp32 (and the NaN/Inf ones, whose blocks are dropped) order like their bits
+    const __m256i old = _mm256_loadu_si256((const __m256i*)(amax + g));
+    _mm256_storeu_si256((__m256i*)(amax + g), _mm256_max_epi32(old, _mm256_castps_si256(f)));
+    if (nonfinite)
+      for (int i = 0; i < 8; ++i)
+        if (nonfinite >> i & 1) bad[g + i] = 1;
+  }
+  for (int64_t g0 = g * c; g0 < n; g0 += c, ++g) {
+    bool b = false;
+    amax_avx2<T>(xp + g0, std::min(c, n - g0), amax[g], b);
+    if (b) bad[g] = 1;
+  }
+}
+
 // AVX2: bf16 to codes takes its own body (every format: each has smallest normal 2^(1 - bias)).
 template <int T, int MODE, bool NZ>
 __attribute__((target("avx2,fma,f16c"))) void quant_groups_avx2(const void* x, int64_t n, int64_t c, const float* s,
@@ -476,7 +526,8 @@ FP8REF_QUANT_GROUPS(plain, )
 
 // The instantiation for (isa, input type, mode, -0) chosen once per call.
 template <int T>
-AmaxFn amax_for(int64_t isa) {
+AmaxFn amax_for(int64_t isa, int64_t c, int64_t k) {
+  if (isa == 1 && T != 0 && c % 16 == 0 && c < k) return amax_groups16_avx2<T>;  // several groups per row segment
   return isa == 2 ? amax_groups_avx512<T> : (isa == 1 ? amax_groups_avx2<T> : amax_groups_plain<T>);
 }
 template <int T, int MODE, bool NZ>
@@ -512,6 +563,7 @@ struct CsrGuard {
 float block_scale(float amax, float qmax, float floor, bool pow2) {
   float s = std::max(amax, floor) / qmax;
   if (s == 0.0f) s = 1.0f;
+  if (!std::isfinite(s)) return 0.0f;  // before frexp, whose exponent of +inf is unspecified (glibc: 0, so s was 1)
   if (pow2) {  // frexp: s = m 2^e, 0.5 <= m < 1; a power of two (m == 0.5) stays, others round up
     int e;
     const float m = std::frexp(s, &e);
@@ -519,6 +571,50 @@ float block_scale(float amax, float qmax, float floor, bool pow2) {
   }
   s = std::max(s, FLT_MIN);
   return std::isfinite(s) ? s : 0.0f;
+}
+
+// The scales of n blocks from their amaxes a[] and NaN/Inf flags bad[]: into s[] the scale the
+// quantizer divides by (0: the block holds NaN or Inf or its scale overflows; it is skipped), into
+// scale[] the one returned (1 there) and into amax_out[] the amax returned (+inf there).
+using ScalesFn = void (*)(const float*, const char*, int64_t, float, float, bool, float*, float*, float*);
+
+void block_scales_plain(const float* a, const char* bad, int64_t n, float qmax, float floor, bool pow2, float* s,
+                        float* scale, float* amax_out) {
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = bad[i] ? 0.0f : block_scale(a[i], qmax, floor, pow2);
+    scale[i] = s[i] == 0.0f ? 1.0f : s[i];
+    amax_out[i] = s[i] == 0.0f ? INFINITY : a[i];
+  }
+}
+
+// block_scale on 8 blocks per step (it cost ~40 cycles per 1 x 128 group on the 2-vCPU Zen 3, as
+// much as a sixth of the group's quantization): the same IEEE operations in the same order; max
+// and min as in std::max (the amaxes of kept blocks are never NaN); the power of two at or above
+// a positive s (frexp/ldexp above) as bits(s) + 0x7FFFFF with the mantissa field cleared, exact
+// for normal and subnormal s (a subnormal becomes FLT_MIN, as the max with FLT_MIN makes it
+// anyway) and +inf for s above 2^127 (which the finiteness test then drops, as ldexp's +inf).
+__attribute__((target("avx2,fma,f16c"))) void block_scales_avx2(const float* a, const char* bad, int64_t n, float qmax,
+                                                                float floor, bool pow2, float* s, float* scale,
+                                                                float* amax_out) {
+  const __m256 qv = _mm256_set1_ps(qmax), fv = _mm256_set1_ps(floor), one = _mm256_set1_ps(1.0f);
+  const __m256 tiny = _mm256_set1_ps(FLT_MIN), inf = _mm256_set1_ps(INFINITY);
+  const __m256i expmask = _mm256_set1_epi32(0x7F800000), mant = _mm256_set1_epi32(0x007FFFFF);
+  const __m256i top9 = _mm256_set1_epi32((int)0xFF800000u), zero = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 av = _mm256_loadu_ps(a + i);
+    __m256 sv = _mm256_div_ps(_mm256_max_ps(av, fv), qv);
+    sv = _mm256_blendv_ps(sv, one, _mm256_cmp_ps(sv, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    if (pow2) sv = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(sv), mant), top9));
+    sv = _mm256_max_ps(sv, tiny);
+    const __m256i flagged = _mm256_cmpgt_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(bad + i))), zero);
+    const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(sv), expmask), expmask);
+    const __m256 drop = _mm256_castsi256_ps(_mm256_or_si256(flagged, nonfinite));
+    _mm256_storeu_ps(s + i, _mm256_andnot_ps(drop, sv));
+    _mm256_storeu_ps(scale + i, _mm256_blendv_ps(sv, one, drop));
+    _mm256_storeu_ps(amax_out + i, _mm256_blendv_ps(av, inf, drop));
+  }
+  block_scales_plain(a + i, bad + i, n - i, qmax, floor, pow2, s + i, scale + i, amax_out + i);
 }
 
 }  // namespace
@@ -563,7 +659,8 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
   if (M == 0 || K == 0) return {out, scale, amax};
   const Fp8Params fp{(int)mant, (int)emin, (int)bias, negzero};
   const Job job{fp, (float)qmax, magic_round(fp), fp8_round((float)qmax, fp) == (float)qmax};
-  const AmaxFn amax_fn = t == 0 ? amax_for<0>(isa) : (t == 1 ? amax_for<1>(isa) : amax_for<2>(isa));
+  const AmaxFn amax_fn = t == 0 ? amax_for<0>(isa, c, K) : (t == 1 ? amax_for<1>(isa, c, K) : amax_for<2>(isa, c, K));
+  const ScalesFn scales_fn = isa >= 1 ? block_scales_avx2 : block_scales_plain;
   const int md = (int)mode;
   const QuantFn quant_fn = t == 0   ? quant_for1<0>(isa, md, negzero)
                            : t == 1 ? quant_for1<1>(isa, md, negzero)
@@ -611,12 +708,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
         std::fill(ba.begin(), ba.end(), 0.0f);
         std::fill(bb.begin(), bb.end(), 0);
         amax_fn(xp + m * K * isz, K, c, ba.data(), bb.data());
-        for (int64_t bj = 0; bj < C; ++bj) {
-          const float s = bb[bj] ? 0.0f : block_scale(ba[bj], fq, ff, pow2);
-          bs[bj] = s;
-          sp[m * C + bj] = s == 0.0f ? 1.0f : s;
-          ap[m * C + bj] = s == 0.0f ? INFINITY : ba[bj];
-        }
+        scales_fn(ba.data(), bb.data(), C, fq, ff, pow2, bs.data(), sp + m * C, ap + m * C);
         quant_fn(xp + m * K * isz, K, c, bs.data(), job, op + m * K * osz);
       }
     });
@@ -641,12 +733,7 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
       std::fill(bb.begin(), bb.end(), 0);
       const int64_t k0 = j0 * c, kn = std::min(K, j1 * c) - k0;  // the run's columns
       for (int64_t m = m0; m < m1; ++m) amax_fn(xp + (m * K + k0) * isz, kn, c, ba.data(), bb.data());
-      for (int64_t bj = j0; bj < j1; ++bj) {
-        const float s = bb[bj - j0] ? 0.0f : block_scale(ba[bj - j0], fq, ff, pow2);
-        bs[bj - j0] = s;
-        sp[bi * C + bj] = s == 0.0f ? 1.0f : s;
-        ap[bi * C + bj] = s == 0.0f ? INFINITY : ba[bj - j0];
-      }
+      scales_fn(ba.data(), bb.data(), j1 - j0, fq, ff, pow2, bs.data(), sp + bi * C + j0, ap + bi * C + j0);
       for (int64_t m = m0; m < m1; ++m) quant_fn(xp + (m * K + k0) * isz, kn, c, bs.data(), job, op + (m * K + k0) * osz);
     }
   });
