@@ -484,7 +484,7 @@ def test_cpu_fp8_accumulates_with_round_to_nearest_even(path):
 @pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
 def test_cpu_fp8_unpacked_paths_within_fp32_bound(path):
     """Row counts across every register block (1..17, 33), N across column slices, K across the
-    16-code steps and the K chunks of the AVX2 kernel (77, 530), with bias."""
+    16-code steps and their scalar tails (77, 530), with bias."""
     be = _cpu_fp8_on(path)
     g = torch.Generator().manual_seed(5)
     for N, K in ((45, 77), (17, 530)):

@@ -68,7 +68,7 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
 }
 
 // MB rows x NB columns over K in [k0, k1) (multiples of 16): MB * NB accumulators of 8 lanes along
-// K, kept between calls in vacc ([row][column][8], ldv floats per row). Each weight vector is
+// K, read from and left in vacc ([row][column][8], ldv floats per row). Each weight vector is
 // decoded once for the MB rows and each activation vector loaded once for the NB columns
 // (accumulators, weights and the two activation vectors fit the 16 ymm registers).
 template <int MB, int NB>
@@ -112,10 +112,13 @@ __attribute__((target("avx2,fma,f16c"))) void cols_avx2(const float* ad, int64_t
 // block do not all map to one L1 set.
 int64_t avx2_lda(int64_t K) { return (K + 15) / 16 * 16 + 16; }
 
-// Columns per slice and K per chunk: a chunk of the activation rows (1 KiB each) and of the
-// slice's codes (4 KiB) stay in L1 while every row block passes over them (without the K chunks,
-// each column streamed its rows' whole K from L2: 37 % of the FMA peak at M = 8..32, K = 4096).
-constexpr int64_t kSliceCols = 16, kChunkK = 256;
+// Columns per slice. Each register block runs over the whole of K, so every weight row is read
+// as one sequential stream. K chunks of 256 (the slice's codes kept in L1 across row blocks) had
+// gained in cache on an earlier AVX2 EPYC (one thread, N = 64, M = 8..32) but on the 2-vCPU Zen 3
+// of docs/performance.md they cost 1.08-1.78x with the weights from memory (K = N = 4096 and
+// K = 14336, N = 4096, M = 1..128; the weight then streamed in 256-byte pieces of 16 rows at a
+// time) and gained nothing in cache (N = 64 and 256: 1.01-1.09x without them).
+constexpr int64_t kSliceCols = 16;
 
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* ad, int64_t M, int64_t K, const uint8_t* b,
                                                          int64_t n0, int64_t n1, float* acc) {
@@ -125,13 +128,10 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* ad, int64_t
     const int64_t nc = std::min(n1, c0 + kSliceCols) - c0;
     const uint8_t* bs = b + c0 * K;
     std::fill(vacc.begin(), vacc.end(), 0.0f);
-    for (int64_t k0 = 0; k0 < K16; k0 += kChunkK) {
-      const int64_t k1 = std::min(K16, k0 + kChunkK);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) cols_avx2<4, 2>(ad + m * lda, lda, bs, K, k0, k1, nc, &vacc[m * ldv], ldv);
-      if (m + 2 <= M) { cols_avx2<2, 2>(ad + m * lda, lda, bs, K, k0, k1, nc, &vacc[m * ldv], ldv); m += 2; }
-      if (m + 1 <= M) { cols_avx2<1, 4>(ad + m * lda, lda, bs, K, k0, k1, nc, &vacc[m * ldv], ldv); m += 1; }
-    }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) cols_avx2<4, 2>(ad + m * lda, lda, bs, K, 0, K16, nc, &vacc[m * ldv], ldv);
+    if (m + 2 <= M) { cols_avx2<2, 2>(ad + m * lda, lda, bs, K, 0, K16, nc, &vacc[m * ldv], ldv); m += 2; }
+    if (m + 1 <= M) { cols_avx2<1, 4>(ad + m * lda, lda, bs, K, 0, K16, nc, &vacc[m * ldv], ldv); m += 1; }
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < nc; ++j) {
         float t = hsum8(_mm256_loadu_ps(&vacc[m * ldv + j * 8]));
