@@ -128,10 +128,10 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* ad, int64_t
     const int64_t nc = std::min(n1, c0 + kSliceCols) - c0;
     const uint8_t* bs = b + c0 * K;
     std::fill(vacc.begin(), vacc.end(), 0.0f);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) cols_avx2<4, 2>(ad + m * lda, lda, bs, K, 0, K16, nc, &vacc[m * ldv], ldv);
-    if (m + 2 <= M) { cols_avx2<2, 2>(ad + m * lda, lda, bs, K, 0, K16, nc, &vacc[m * ldv], ldv); m += 2; }
-    if (m + 1 <= M) { cols_avx2<1, 4>(ad + m * lda, lda, bs, K, 0, K16, nc, &vacc[m * ldv], ldv); m += 1; }
+    int64_t r = 0;  // the row blocks: 4, then 2, then 1 rows
+    for (; r + 4 <= M; r += 4) cols_avx2<4, 2>(ad + r * lda, lda, bs, K, 0, K16, nc, &vacc[r * ldv], ldv);
+    if (r + 2 <= M) { cols_avx2<2, 2>(ad + r * lda, lda, bs, K, 0, K16, nc, &vacc[r * ldv], ldv); r += 2; }
+    if (r + 1 <= M) cols_avx2<1, 4>(ad + r * lda, lda, bs, K, 0, K16, nc, &vacc[r * ldv], ldv);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < nc; ++j) {
         float t = hsum8(_mm256_loadu_ps(&vacc[m * ldv + j * 8]));

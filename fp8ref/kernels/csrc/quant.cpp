@@ -687,9 +687,9 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
       a = std::max(a, row_amax[m]);
       bad = bad || row_bad[m];
     }
-    const float s = bad ? 0.0f : block_scale(a, fq, ff, pow2);
-    sp[0] = s == 0.0f ? 1.0f : s;
-    ap[0] = s == 0.0f ? INFINITY : a;
+    const char flag = bad;
+    float s;
+    block_scales_plain(&a, &flag, 1, fq, ff, pow2, &s, sp, ap);
     if (s == 0.0f) return {out, scale, amax};
     at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
       const CsrGuard csr;
