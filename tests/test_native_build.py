@@ -172,6 +172,19 @@ def test_build_says_when_it_starts_and_how_long_it_took(unbuilt, monkeypatch, ca
     assert native.require() is fake and cpu_fp8.main([]) == 0 and unbuilt == ["build"]  # built once
 
 
+def test_python_m_cpu_fp8_reports_the_amx_self_test_where_tiles_exist(unbuilt, monkeypatch, capsys):
+    """On a CPU with AMX tiles the report carries the self-test's verdict and whether the chip
+    computes the emulation's bits (the first AMX machine answers that question in its build log)."""
+    from fp8ref.kernels import cpu_fp8_amx
+
+    fake = types.SimpleNamespace(has_bf16_dot=lambda: True, gemm_isa=lambda: 2, amx_status=lambda: "")
+    monkeypatch.setattr(native, "_compile", lambda verbose: fake)
+    monkeypatch.setattr(cpu_fp8_amx, "_result", {"reason": None, "matches_emulation": False, "checks": 33})
+    assert cpu_fp8.main([]) == 0
+    out = capsys.readouterr().out
+    assert "AMX tiles (cpu-fp8-amx): yes: self-test passed; the real tiles' bits differ from the emulation's" in out
+
+
 def test_python_m_cpu_fp8_reports_a_failed_build(unbuilt, capsys):
     assert cpu_fp8.main([]) == 1
     assert "the cpu-fp8 kernel is unavailable: building the cpu-fp8 kernel failed" in capsys.readouterr().err

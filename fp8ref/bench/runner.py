@@ -13,6 +13,7 @@ import torch
 
 from .._machine import cpu_flags, cpu_kind, cpu_model, cpu_signature
 from ..kernels.cpu_fp8 import gemm_path
+from ..kernels.cpu_fp8_amx import self_test_summary
 from ..registry import get_backend
 from .backends import available_backends
 from .ceilings import bf16_gemm_peak, copy_bandwidth
@@ -39,7 +40,8 @@ def kernel_paths() -> dict[str, str]:
     path (``gemm_path``, from the CPU's flags) and whether cpu-fp8-amx runs on AMX tiles."""
     amx = get_backend("cpu-fp8-amx").available()
     return {"cpu-fp8": f"{gemm_path()} kernel",
-            "cpu-fp8-amx": "AMX tiles (self-test passed)" if amx is None else f"not run: {amx}"}
+            "cpu-fp8-amx": f"AMX tiles ({self_test_summary()})" if amx is None else f"not run: {amx}"}
+
 
 
 def machine_meta(device: str, quick: bool) -> dict:

@@ -265,9 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8ref: the cpu-fp8 kernel is unavailable: {exc}", file=sys.stderr)
         return 1
     amx = mod.amx_status()
+    if not amx:
+        from .cpu_fp8_amx import self_test_summary  # (imports this module)
+        amx = f"yes: {self_test_summary()}"
+    else:
+        amx = f"no, {amx}"
     print(f"cpu-fp8 kernel ready: {native.library_path()}\n"
-          f"  this CPU ({cpu_model()}): cpu-fp8 runs its {gemm_path()} kernel; "
-          f"AMX tiles (cpu-fp8-amx): {'yes' if not amx else 'no, ' + amx}")
+          f"  this CPU ({cpu_model()}): cpu-fp8 runs its {gemm_path()} kernel; AMX tiles (cpu-fp8-amx): {amx}")
     return 0
 
 

@@ -63,7 +63,8 @@ from ..spec.schemes import W8A8_FP8, QuantScheme
 from . import native
 from .cpu_fp8 import CpuFp8Backend, pack_weight
 
-__all__ = ["CpuFp8AmxBackend", "AMX_FLAGS", "AMX_ROWS", "SELF_TEST_SHAPES", "self_test", "self_test_result"]
+__all__ = ["CpuFp8AmxBackend", "AMX_FLAGS", "AMX_ROWS", "SELF_TEST_SHAPES", "self_test", "self_test_result",
+           "self_test_summary"]
 
 #: The CPU flags the kernel needs (``/proc/cpuinfo`` names): the tiles, and AVX-512 BF16 for decoding.
 AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512_bf16")
@@ -252,3 +253,16 @@ def self_test_result() -> dict:
         atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(res)))  # a verdict on this kernel
     _result = res
     return res
+
+
+def self_test_summary() -> str:
+    """One line on the real tiles' self-test, for the bench header and ``python -m
+    fp8ref.kernels.cpu_fp8``: passed or why not, and whether the chip's bits equal the emulation's.
+    The emulation follows the SDM's pseudocode of TDPBF16PS, whose accumulation order Intel's
+    intrinsics guide writes differently; which one the chip follows is unverified until a machine
+    with AMX reports it here (a difference is no defect: the self-test checks the bound)."""
+    res = self_test_result()
+    if res["reason"]:
+        return f"self-test failed: {res['reason']}"
+    same = {True: "equal", False: "differ from", None: "were not compared with"}[res.get("matches_emulation")]
+    return f"self-test passed; the real tiles' bits {same} the emulation's"
