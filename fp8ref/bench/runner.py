@@ -43,7 +43,6 @@ def kernel_paths() -> dict[str, str]:
             "cpu-fp8-amx": f"AMX tiles ({self_test_summary()})" if amx is None else f"not run: {amx}"}
 
 
-
 def machine_meta(device: str, quick: bool) -> dict:
     """What a run was measured on and when: date, device, CPU model, kind, vendor, family and model
     number (two CPUs of one kind and model name, a Zen 4 and a Zen 5 "AMD EPYC", differ), kernel
