@@ -185,6 +185,26 @@ def test_python_m_cpu_fp8_reports_the_amx_self_test_where_tiles_exist(unbuilt, m
     assert "AMX tiles (cpu-fp8-amx): yes: self-test passed; the real tiles' bits differ from the emulation's" in out
 
 
+def test_python_m_cpu_fp8_as_a_script_registers_once(unbuilt, monkeypatch, capsys):
+    """``python -m`` runs cpu_fp8.py as ``__main__``, a second copy of the module; on an AMX CPU the
+    report imports cpu_fp8_amx, which imports the package's copy. Both copies registering
+    'cpu-fp8' raised "already registered" there (the first AMX machine, 2026-12-02)."""
+    from fp8ref.kernels import cpu_fp8_amx
+
+    fake = types.SimpleNamespace(has_bf16_dot=lambda: True, gemm_isa=lambda: 2, amx_status=lambda: "")
+    monkeypatch.setattr(native, "_compile", lambda verbose: fake)
+    monkeypatch.setattr(cpu_fp8_amx, "_result", {"reason": None, "matches_emulation": True, "checks": 33})
+    monkeypatch.setattr(sys, "argv", [cpu_fp8.__file__])
+    before = fp8ref.get_backend("cpu-fp8")
+    script = compile(open(cpu_fp8.__file__).read(), cpu_fp8.__file__, "exec")  # what runpy does
+    with pytest.raises(SystemExit) as exc:
+        exec(script, {"__name__": "__main__", "__package__": "fp8ref.kernels", "__file__": cpu_fp8.__file__})
+    assert exc.value.code == 0
+    assert "AMX tiles (cpu-fp8-amx): yes: self-test passed; the real tiles' bits equal the emulation's" in \
+        capsys.readouterr().out
+    assert fp8ref.get_backend("cpu-fp8") is before  # the package's backend, not the script's copy
+
+
 def test_python_m_cpu_fp8_reports_a_failed_build(unbuilt, capsys):
     assert cpu_fp8.main([]) == 1
     assert "the cpu-fp8 kernel is unavailable: building the cpu-fp8 kernel failed" in capsys.readouterr().err

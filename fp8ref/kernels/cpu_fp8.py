@@ -253,7 +253,8 @@ class CpuFp8Backend(Backend):
         return mod.fp8_e4m3_gemm(codes_a, codes_b, sa, sb, *bias_arg, _GEMM_ISA[self._path()])
 
 
-register_backend(CpuFp8Backend())
+if __name__ != "__main__":  # run as a script, this file is a second copy of the module (see the end)
+    register_backend(CpuFp8Backend())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,4 +277,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m`` runs this file as ``__main__``, a copy beside the package's module that
+    # cpu_fp8_amx imports; registering from both raised "already registered" on the first AMX
+    # machine, so the script leaves the registration and the report to the package's copy.
+    from fp8ref.kernels import cpu_fp8 as _package_module
+
+    sys.exit(_package_module.main())
