@@ -3,11 +3,11 @@
 On CPUs with AMX (Intel Xeon Sapphire Rapids and later: ``amx_tile``, ``amx_bf16``, and
 ``avx512_bf16`` for the decoding), the weight packed by ``prepare_weight`` as ``[N/16, K/2, 16,
 2]`` (``cpu_fp8.pack_weight``) is, 512 bytes at a time, one TDPBF16PS B tile in the pair ("VNNI")
-layout: the kernel decodes it to the exact bf16 bit patterns (1 KiB), the activations are decoded
-once per call into bf16 A-tile rows, and TDPBF16PS accumulates in fp32 tiles (2 x 2 C tiles per 32
-rows x 32 columns, K in chunks of 512). The C++ is ``csrc/gemm_amx.cpp`` (tile logic, written once
-as a template over the tile operations) and ``csrc/amx_tiles.h`` (the real instructions and their
-software emulation).
+layout: the kernel decodes it to the exact bf16 bit patterns (1 KiB) one step ahead of the tile
+loads, the activations are decoded once per call into their A tiles, and TDPBF16PS accumulates in
+fp32 tiles (2 x 2 C tiles per 32 rows x 32 columns, K in chunks of 2048). The C++ is
+``csrc/gemm_amx.cpp`` (tile logic, written once as a template over the tile operations) and
+``csrc/amx_tiles.h`` (the real instructions and their software emulation).
 
 **Numerics: strict class** (``Accumulation.FP32``, ``output_roundings=1``), as ``cpu-fp8``. Every
 E4M3FN value is exactly a normal bf16, a product of two is exact in fp32, and every partial sum
@@ -71,11 +71,12 @@ AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512_bf16")
 #: Rows per kernel call: the activations of a K chunk (rows x 1 KiB) stay in L2.
 AMX_ROWS = 256
 #: (M, N, K) of the self-test: every M tail (1, 15, 16, 17, 31..33 rows, several row chunks), N
-#: tails (1, 17, 45) and K tails (odd K, K < 32, one K chunk of 512 and several).
+#: tails (1, 17, 45) and K tails (odd K, K < 32, one K chunk of 2048 values and several, with C in
+#: the tiles (M <= 32) and in memory between chunks (M > 32)).
 SELF_TEST_SHAPES = ((1, 1, 1), (1, 64, 1030), (3, 17, 33), (15, 45, 77), (16, 32, 64), (17, 16, 31),
-                    (31, 33, 600), (33, 48, 100), (70, 40, 1030))
+                    (31, 33, 600), (33, 48, 100), (70, 40, 1030), (20, 17, 2100), (40, 33, 4111))
 #: Bumped when the kernel or the self-test changes what they check (invalidates cached verdicts).
-_SELF_TEST_VERSION = 1
+_SELF_TEST_VERSION = 2
 
 
 class CpuFp8AmxBackend(CpuFp8Backend):
