@@ -129,7 +129,9 @@ def test_emulated_kernel_within_fp32_bound(emulated, monkeypatch, recipe):
     """Row counts across tile and chunk edges, odd N and K, bias, every output dtype; more rows
     than AMX_ROWS go in chunks and give the bits of one call."""
     g = torch.Generator().manual_seed(1)
-    for M, N, K in [(1, 45, 77), (16, 16, 32), (17, 33, 530), (40, 20, 17), (9, 20, 2100), (35, 17, 2090)]:
+    shapes = [(1, 45, 77), (16, 16, 32), (17, 33, 530), (40, 20, 17), (9, 20, 2100), (35, 17, 2090),
+              (300, 17, 40)]  # K chunks of 2048 with C in the tiles and in memory; a 256-row panel edge
+    for M, N, K in shapes:
         qw = quant.quantize(torch.randn(N, K, generator=g), recipe.weight)
         w = emulated.prepare_weight(qw)
         qa = quant.quantize(torch.randn(M, K, generator=g) * 4, recipe.activation)

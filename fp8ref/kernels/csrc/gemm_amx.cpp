@@ -58,6 +58,9 @@ constexpr int64_t kChunkPairs = 1024;
 // Rows per row chunk (two A tiles), and columns per work item (two column blocks): the fp32 buffer
 // of C is [rows][kGroupCols].
 constexpr int64_t kRowChunk = 32, kGroupCols = 32;
+// Rows per row panel: the A tiles of one K chunk of a panel (256 x 2048 bf16 = 1 MiB) and the
+// decoded B panel (128 KiB) share L2; every panel decodes the weight again.
+constexpr int64_t kRowPanel = 256;
 
 // Tile numbers: C[i][j] = 2 i + j for A tile i and B tile j; A tiles 4, 5; B tiles 6, 7.
 TileConfig make_config(int r0, int r1, int nt) {
@@ -338,32 +341,37 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
   // The activations' codes -> their exact bf16 bits, laid out as the A tiles (one 1 KiB tile of 16
   // rows x 32 values per row block and step, contiguous: tile loads of stride 64 bytes that walk
   // memory in order). Rows beyond M in the last row block are never read (their tiles are
-  // configured with fewer rows), so they are left unwritten.
-  std::unique_ptr<uint16_t[]> abuf(new uint16_t[(M + 15) / 16 * steps * 512]);
+  // configured with fewer rows), so they are left unwritten. The rows go in panels of kRowPanel
+  // (a K chunk of their A tiles, 1 MiB, stays in L2), each written straight into `out`.
+  const int64_t panel_rows = std::min(M, kRowPanel);
+  std::unique_ptr<uint16_t[]> abuf(new uint16_t[(panel_rows + 15) / 16 * steps * 512]);
   const uint8_t* ap = a.data_ptr<uint8_t>();
   const bool vec = has_bf16_dot();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      decode_a_row(ap + m * K, K, steps, abuf.get() + (m / 16 * steps * 16 + m % 16) * 32, vec);
-  });
-  const Problem P{abuf.get(),
-                  M,
-                  N,
-                  N16,
-                  K2,
-                  K2p,
-                  pb.data_ptr<uint8_t>(),
-                  special.data_ptr<uint8_t>(),
-                  sa.data_ptr<float>(),
-                  sb.data_ptr<float>(),
-                  has_bias ? bias.data_ptr<float>() : nullptr,
-                  out.data_ptr<float>(),
-                  vec};
-  const int64_t groups = (N16 + 1) / 2;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if (emulate) run_groups<amx::EmuTiles>(P, g0, g1);
-    else run_groups<amx::RealTiles>(P, g0, g1);
-  });
+  for (int64_t r0 = 0; r0 < M; r0 += kRowPanel) {
+    const int64_t rows = std::min(kRowPanel, M - r0);
+    at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        decode_a_row(ap + (r0 + m) * K, K, steps, abuf.get() + (m / 16 * steps * 16 + m % 16) * 32, vec);
+    });
+    const Problem P{abuf.get(),
+                    rows,
+                    N,
+                    N16,
+                    K2,
+                    K2p,
+                    pb.data_ptr<uint8_t>(),
+                    special.data_ptr<uint8_t>(),
+                    sa.data_ptr<float>() + r0,
+                    sb.data_ptr<float>(),
+                    has_bias ? bias.data_ptr<float>() : nullptr,
+                    out.data_ptr<float>() + r0 * N,
+                    vec};
+    const int64_t groups = (N16 + 1) / 2;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      if (emulate) run_groups<amx::EmuTiles>(P, g0, g1);
+      else run_groups<amx::RealTiles>(P, g0, g1);
+    });
+  }
   return out;
 }
 
