@@ -176,16 +176,27 @@ def test_emulated_kernel_conforms(emulated):
 
 def test_amx_backend_says_why_it_cannot_run(mod):
     be = fp8ref.get_backend("cpu-fp8-amx")
-    if mod.amx_status():
+    status = mod.amx_status()
+    if status:
         reason = be.available()
-        assert reason is not None and "needs AMX tiles" in reason and "lacks" in reason
+        assert reason is not None and "needs AMX tiles" in reason and status in reason
         missing = [f for f in cpu_fp8_amx.AMX_FLAGS if f not in fp8ref._machine.cpu_flags()]
-        assert missing, "the extension and /proc/cpuinfo disagree about AMX"
+        if status.startswith("this CPU lacks"):  # CPUID (the extension) and /proc/cpuinfo agree
+            assert missing, f"the extension says {status!r}, /proc/cpuinfo lists every AMX flag"
+        else:  # the CPU has AMX, the OS will not hand out its tile state
+            assert "the OS" in status and not missing, (status, missing)
         with pytest.raises(RuntimeError, match="cannot run here"):
             qa = quant.quantize(torch.randn(2, 32))
             be.scaled_mm(qa, quant.quantize(torch.randn(16, 32)))
     else:
         assert be.available() is None or "self-test" in be.available()
+
+
+def test_self_test_verdict_is_keyed_to_the_self_test_source(monkeypatch):
+    """A cached verdict does not outlive a change to the self-test (its module's source)."""
+    before = cpu_fp8_amx._cache_path()
+    monkeypatch.setattr(cpu_fp8_amx, "_source_digest", lambda: "0" * 16)
+    assert cpu_fp8_amx._cache_path() != before and cpu_fp8_amx._cache_path().parent == before.parent
 
 
 @pytest.mark.parametrize("result, needle", [

@@ -215,8 +215,14 @@ def self_test(emulate: bool = False) -> dict:
     return {"reason": reason, "matches_emulation": same, "checks": checks}
 
 
+def _source_digest() -> str:
+    """This module's source (the self-test's cases and checks): a changed self-test is a new verdict
+    (the C++ sources already key the build directory the verdict lives in)."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
 def _cache_path() -> Path:
-    key = json.dumps([_SELF_TEST_VERSION, cpu_model(), sorted(cpu_flags())])
+    key = json.dumps([_SELF_TEST_VERSION, _source_digest(), cpu_model(), sorted(cpu_flags())])
     return native.build_dir() / f"amx-self-test-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

@@ -32,6 +32,7 @@
 // each output is a sum of its K exact products by a tree of additions each rounded once, which is
 // what the fp32 accumulation bound (gamma_{K-1}) covers in any order. The epilogue
 // (acc * sa[m]) * sb[n] (+ bias[n]) is fp32 and torch rounds the result once to the output dtype.
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -295,13 +296,22 @@ void run_groups(const Problem& P, int64_t g0, int64_t g1) {
 
 std::string amx_status() {
   static const std::string status = []() -> std::string {
+    // The AMX bits straight from CPUID (leaf 7: EDX bit 24 amx-tile, 22 amx-bf16), so that a CPU
+    // with AMX whose OS has not enabled the tile state in XCR0 (bits 17, 18; Linux < 5.16) is told
+    // apart from a CPU without it: /proc/cpuinfo lists the flags in the first case.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool leaf7 = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx);
     std::string missing;
-    if (!__builtin_cpu_supports("amx-tile")) missing += " amx_tile";
-    if (!__builtin_cpu_supports("amx-bf16")) missing += " amx_bf16";
+    if (!leaf7 || !(edx & (1u << 24))) missing += " amx_tile";
+    if (!leaf7 || !(edx & (1u << 22))) missing += " amx_bf16";
     if (!__builtin_cpu_supports("avx512f")) missing += " avx512f";
     if (!__builtin_cpu_supports("avx512bw")) missing += " avx512bw";
     if (!__builtin_cpu_supports("avx512bf16")) missing += " avx512_bf16";
     if (!missing.empty()) return "this CPU lacks" + missing;
+    unsigned xcr0_lo = 0, xcr0_hi = 0;
+    asm volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));  // (OSXSAVE: implied by avx512f above)
+    if ((xcr0_lo & (3u << 17)) != (3u << 17))
+      return "the OS has not enabled AMX tile state (XCR0 bits 17-18 clear; Linux enables it from 5.16)";
     // Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023,
     // XFEATURE_XTILEDATA = 18), process-wide; without it the first tile instruction faults.
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0)
