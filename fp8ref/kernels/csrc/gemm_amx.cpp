@@ -54,16 +54,19 @@ namespace {
 
 using amx::TileConfig;
 
-// K pairs per K chunk (K = 2048 values): with more than 32 rows, the chunk's decoded B panel (2
-// column blocks x 1024 pairs x 64 bytes = 128 KiB) and the A tiles of 256 rows (1 MiB) stay in L2.
-// Measured on a Xeon with AMX (2 vCPUs, K = N = 4096): 256 / 512 / 1024 / 2048 pairs gave 0.97 /
-// 1.08 / 1.25 / 0.93x bf16 F.linear at M = 128 and 0.86 / 0.82 / 0.98 / 0.93x at M = 256.
+// K pairs per K chunk (K = 2048 values): with more than 32 rows, the chunk's two decoded B panels
+// (2 x 2 column blocks x 1024 pairs x 64 bytes = 256 KiB) and the A tiles of a 256-row panel (1 MiB)
+// stay in L2. Measured on a Xeon with AMX (2 vCPUs, K = N = 4096), one run each: 256 / 512 / 1024 /
+// 2048 pairs gave 0.97 / 1.08 / 1.25 / 0.93x bf16 F.linear at M = 128 and 0.86 / 0.82 / 0.98 /
+// 0.93x at M = 256 with the first version of this blocking (2026-12-02); with the A tiles in tile
+// order and aligned, 256 / 512 / 1024 gave 28.4 / 32.8 / 23.3 ms at M = 1024. Smaller chunks with 1024-row panels (the weight
+// decoded once instead of four times) took 37-39 ms: C then goes to and from DRAM every 256 pairs.
 constexpr int64_t kChunkPairs = 1024;
 // Rows per row chunk (two A tiles), and columns per work item (two column blocks): the fp32 buffer
 // of C is [rows][kGroupCols].
 constexpr int64_t kRowChunk = 32, kGroupCols = 32;
 // Rows per row panel: the A tiles of one K chunk of a panel (256 x 2048 bf16 = 1 MiB) and the
-// decoded B panel (128 KiB) share L2; every panel decodes the weight again.
+// decoded B panels share L2; every panel decodes the weight again.
 constexpr int64_t kRowPanel = 256;
 
 // Tile numbers: C[i][j] = 2 i + j for A tile i and B tile j; A tiles 4, 5; B tiles 6, 7.
