@@ -276,10 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    # ``python -m`` runs this file as ``__main__``, a copy beside the package's module that
-    # cpu_fp8_amx imports; registering from both raised "already registered" on the first AMX
-    # machine, so the script leaves the registration and the report to the package's copy.
-    from fp8ref.kernels import cpu_fp8 as _package_module
+def _script_main() -> int:
+    """``python -m`` runs this file as ``__main__``, a copy beside the package's module that
+    cpu_fp8_amx imports; registering from both raised "already registered" on the first AMX
+    machine, so the script leaves the registration and the report to the package's copy."""
+    from fp8ref.kernels import cpu_fp8 as package_module
 
-    sys.exit(_package_module.main())
+    return package_module.main()
+
+
+if __name__ == "__main__":
+    sys.exit(_script_main())
