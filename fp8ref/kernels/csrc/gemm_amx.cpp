@@ -204,18 +204,18 @@ struct PanelFill {
   void finish() { run(total); }
 };
 
-// One row chunk (MT A tiles) x NT column blocks over `steps` x 16 pairs. a: the chunk's first row
-// at the K chunk's first pair; c: the fp32 buffer at the chunk's first row ([rows][kGroupCols]).
-// With decode (the first row chunk of a K chunk), each step's B tiles are decoded one step ahead,
-// so that decoding (AVX-512), the code stream and TDPBF16PS (AMX) overlap instead of taking turns;
-// ring: the panel is two steps that alternate (one row chunk: nothing reads them again), else the
-// whole K chunk for the next row chunks. Store -> tile-load order within the panel is program
-// order, which the CPU keeps.
+// One row chunk (MT A tiles) x NT column blocks over `steps` x 16 pairs. a: the chunk's first A
+// tile at the K chunk's first step (the second A tile a_next elements on); c: C sums of the chunk's
+// first row, row stride ldc_f floats. At most 32 rows (decode given): each step's B tiles are
+// decoded one step ahead into `panel`, a two-step ring, so that decoding (AVX-512), the code stream
+// and TDPBF16PS (AMX) overlap instead of taking turns (store -> tile-load order within the ring is
+// program order, which the CPU keeps). More (pf given): `panel` holds the whole K chunk, decoded
+// before, and each step decodes pf's quota of the next unit's panel.
 template <class T, int MT, int NT, class Decode>
 void tile_block(const uint16_t* a, int64_t a_next, uint16_t* panel, int64_t steps, float* c, int64_t ldc_f,
-                bool load_c, bool keep, const Decode* decode, bool ring, PanelFill* pf) {
+                bool load_c, bool keep, const Decode* decode, PanelFill* pf) {
   const int64_t ldc = ldc_f * 4;  // bytes
-  auto slot = [&](int64_t s) { return panel + (ring ? (s & 1) : s) * kStepElems; };
+  auto slot = [&](int64_t s) { return panel + (decode ? (s & 1) : s) * kStepElems; };
   if (decode)
     for (int j = 0; j < NT; ++j) (*decode)(j, 0, slot(0) + j * 512);
   if (load_c) {
@@ -328,10 +328,10 @@ void run_groups_single(const Problem& P, int64_t g0, int64_t g1) {
       const uint16_t* a = P.abuf + a_tile_offset(0, kc / 16, mt, P.K2p / 16);
       float* c = cacc;
       uint16_t* pan = panel;
-      if (mt == 2 && nt == 2) tile_block<T, 2, 2>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, true, nullptr);
-      else if (mt == 2) tile_block<T, 2, 1>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, true, nullptr);
-      else if (nt == 2) tile_block<T, 1, 2>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, true, nullptr);
-      else tile_block<T, 1, 1>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, true, nullptr);
+      if (mt == 2 && nt == 2) tile_block<T, 2, 2>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, nullptr);
+      else if (mt == 2) tile_block<T, 2, 1>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, nullptr);
+      else if (nt == 2) tile_block<T, 1, 2>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, nullptr);
+      else tile_block<T, 1, 1>(a, steps * 512, pan, steps, c, kGroupCols, false, keep, &decode, nullptr);
     }
     const int64_t n0 = nb0 * 16, n1 = std::min(P.N, (nb0 + nt) * 16);
     (P.vec_decode ? epilogue_avx512 : epilogue_scalar)(P, cacc, kGroupCols, n0, n1);
@@ -409,10 +409,10 @@ void run_groups_multi(const Problem& P, int64_t g0, int64_t g1) {
         using NoDecode = void (*)(int, int64_t, uint16_t*);
         const NoDecode* none = nullptr;
         const bool load_c = kc > 0;
-        if (mt == 2 && nt == 2) tile_block<T, 2, 2>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, false, &next);
-        else if (mt == 2) tile_block<T, 2, 1>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, false, &next);
-        else if (nt == 2) tile_block<T, 1, 2>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, false, &next);
-        else tile_block<T, 1, 1>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, false, &next);
+        if (mt == 2 && nt == 2) tile_block<T, 2, 2>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, &next);
+        else if (mt == 2) tile_block<T, 2, 1>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, &next);
+        else if (nt == 2) tile_block<T, 1, 2>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, &next);
+        else tile_block<T, 1, 1>(a, steps * 512, pan, steps, c, ldc, load_c, false, none, &next);
       }
       next.finish();  // (what the quota left: the last row chunk may have fewer steps' worth)
       cur ^= 1;
