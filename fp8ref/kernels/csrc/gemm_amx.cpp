@@ -150,9 +150,9 @@ void decode_a_row(const uint8_t* row, int64_t K, int64_t m, int64_t row_blocks, 
 // thread's scratch, kept from call to call (grown, never shrunk): buffers made per call came from
 // fresh pages (glibc maps blocks of 128 KiB and more anew), and the page faults on their first
 // touch, with the tiles configured, took a third of a call: 28-32 ms instead of 19-20 ms at M =
-// 1024, K = N = 4096, half the calls. What a thread keeps: its B panels (2 x 128 KiB), a C buffer
-// (32 columns of a 256-row panel, 32 KiB) and, on the calling thread, the A tiles of a row panel
-// (256 x 2 K bytes).
+// 1024, K = N = 4096, half the calls. What a thread keeps: its B panels (2 x 128 KiB), the C sums
+// of its work items for a row panel (256 rows x its share of N x 4 bytes: 2 MiB of N = 4096 on two
+// threads) and, on the calling thread, the A tiles of a row panel (256 x 2 K bytes).
 struct AlignedFree {
   void operator()(char* p) const { ::operator delete[](p, std::align_val_t(64)); }
 };
@@ -344,17 +344,19 @@ void run_groups_single(const Problem& P, int64_t g0, int64_t g1) {
 // them. (Work items outside, K chunks inside, had read all of A, 2 MiB at 256 rows, from beyond L2
 // for every work item: 4.5 ms at M = 256 without any decoding, where 128 rows took 1.5; K = N =
 // 4096, a Xeon with AMX.) Two B panels alternate: every row chunk runs its tiles over the current
-// (K chunk, work item)'s panel and decodes its quota of the next one's (PanelFill). C sums live in
-// the output itself between K chunks (a work item's 32 columns of each row), or, for a last work
-// item narrower than 32 columns, in a buffer; the epilogue then runs on them in place.
+// (K chunk, work item)'s panel and decodes its quota of the next one's (PanelFill). C sums wait
+// between K chunks in the thread's scratch ([work item][rows][32] fp32), not in the output: the
+// output's pages are new on most calls, and their first touch by tile stores with the tiles
+// configured made half the calls at M = 1024 take 24 ms instead of 17; the epilogue writes the
+// output after the tiles are released.
 template <class T>
 void run_groups_multi(const Problem& P, int64_t g0, int64_t g1) {
   const int64_t chunk_elems = kChunkPairs / 16 * kStepElems;
   uint16_t* const panels = scratch<uint16_t>(kPanelSlot, 2 * chunk_elems);
   const int64_t rcs = (P.M + kRowChunk - 1) / kRowChunk, row_blocks = (P.M + 15) / 16;
-  float* const tail = scratch<float>(kCSlot, rcs * kRowChunk * kGroupCols);
+  const int64_t c_elems = rcs * kRowChunk * kGroupCols;  // one work item's C sums, [rows][32]
+  float* const csums = scratch<float>(kCSlot, (g1 - g0) * c_elems);
   const DecodePairs decode_pairs = P.vec_decode ? decode_panel_avx512 : decode_panel_scalar;
-  auto full = [&](int64_t g) { return (2 * g + 2) * 16 <= P.N; };  // 32 columns, all of them real
   // The units, in order: (K chunk kc, work item g), kc outer.
   auto fill_for = [&](int64_t kc, int64_t g, uint16_t* panel) {
     PanelFill f;
@@ -390,8 +392,8 @@ void run_groups_multi(const Problem& P, int64_t g0, int64_t g1) {
         next = fill_for(nkc, ng, panels + (cur ^ 1) * chunk_elems);
         next.quota = (next.total + rcs * steps - 1) / (rcs * steps);
       }
-      float* cg = full(g) ? P.out + nb0 * 16 : tail;
-      const int64_t ldc = full(g) ? P.N : kGroupCols;
+      float* const cg = csums + (g - g0) * c_elems;
+      constexpr int64_t ldc = kGroupCols;
       uint16_t* pan = panels + cur * chunk_elems;
       for (int64_t mc = 0; mc < P.M; mc += kRowChunk) {
         const int r0 = (int)std::min<int64_t>(16, P.M - mc);
@@ -421,8 +423,7 @@ void run_groups_multi(const Problem& P, int64_t g0, int64_t g1) {
   if (configured) T::release();
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = 2 * g * 16, n1 = std::min(P.N, n0 + 32);
-    const float* acc = full(g) ? P.out + n0 : tail;
-    (P.vec_decode ? epilogue_avx512 : epilogue_scalar)(P, acc, full(g) ? P.N : kGroupCols, n0, n1);
+    (P.vec_decode ? epilogue_avx512 : epilogue_scalar)(P, csums + (g - g0) * c_elems, kGroupCols, n0, n1);
   }
 }
 
