@@ -150,6 +150,32 @@ def test_emulated_kernel_within_fp32_bound(emulated, monkeypatch, recipe):
         assert torch.equal(whole.view(torch.int32), chunked.view(torch.int32))
 
 
+@pytest.mark.parametrize("M, N, K", [(5, 45, 77), (17, 33, 530), (40, 20, 2100), (300, 50, 64)])
+def test_kernel_rounds_to_bf16_as_torch_does(mod, emulated, M, N, K):
+    """With bf16 out the kernel's epilogue rounds itself: the bits of its fp32 result's
+    ``.to(torch.bfloat16)``, with C in the tiles (M <= 32) and in memory, over panel edges; on
+    integer-valued operands (most outputs are exact bf16 ties: odd integers in [257, 511], ...) and
+    on random scaled ones."""
+    g = torch.Generator().manual_seed(5)
+    ia, iw = cpu_fp8_amx._exact_operands("integers", M, N, K, g)
+    ra = quant.quantize(torch.randn(M, K, generator=g) * 8, W8A8_FP8.activation)
+    rw = quant.quantize(torch.randn(N, K, generator=g) * 1e-3, W8A8_FP8.weight)
+    tiles = [True] + ([False] if mod.amx_status() == "" else [])  # emulated, and real where they run
+    ties = 0
+    for qa, qw, bias in ((ia, iw, torch.randint(-8, 9, (N,), generator=g).float()),
+                         (ra, rw, torch.randn(N, generator=g))):
+        packed = cpu_fp8_amx.pack_weight(qw.data.view(torch.uint8))
+        sa = qa.scale.reshape(-1).expand(M).contiguous()
+        sb = qw.scale.reshape(-1).expand(N).contiguous()
+        for has_bias, emulate in [(h, e) for h in (False, True) for e in tiles]:
+            args = (qa.data.view(torch.uint8), *packed, N, sa, sb, bias, has_bias, emulate)
+            y32, y16 = mod.fp8_e4m3_gemm_amx(*args), mod.fp8_e4m3_gemm_amx(*args, out_bf16=True)
+            assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+            assert torch.equal(y16.view(torch.int16), y32.to(torch.bfloat16).view(torch.int16))
+            ties += int(((y32.view(torch.int32) & 0xFFFF) == 0x8000).sum())
+    assert ties > 0  # the rounding of ties was exercised
+
+
 def test_emulated_kernel_decodes_every_code_exactly(emulated):
     """An identity on one side gives the other side's 254 finite codes back, through both the
     weight decoding (table or AVX-512 rebias) and the activation table."""

@@ -237,11 +237,13 @@ class CpuFp8Backend(Backend):
         sb = b.scale.to(torch.float32).reshape(-1).expand(N).contiguous()
         b32 = bias_fp32(bias, a.data.device)
         bias_arg = (b32 if b32 is not None else sa, b32 is not None)
-        return self._gemm(mod, a.data.contiguous().view(torch.uint8), codes, extra, sa, sb, bias_arg).to(out_dtype)
+        return self._gemm(mod, a.data.contiguous().view(torch.uint8), codes, extra, sa, sb, bias_arg,
+                          out_dtype).to(out_dtype)
 
     def _gemm(self, mod, codes_a: torch.Tensor, codes_b: torch.Tensor, extra: dict, sa: torch.Tensor,
-              sb: torch.Tensor, bias_arg: tuple) -> torch.Tensor:
-        """The fp32 result ``(acc * sa) * sb (+ bias)`` of the kernel path that runs here."""
+              sb: torch.Tensor, bias_arg: tuple, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The fp32 result ``(acc * sa) * sb (+ bias)`` of the kernel path that runs here (a kernel
+        that rounds to ``out_dtype`` itself may return that instead: the same bits)."""
         N = codes_b.shape[0]
         if self._packed():
             packed = extra.get("packed")

@@ -109,13 +109,16 @@ class CpuFp8AmxBackend(CpuFp8Backend):
         return True
 
     def _gemm(self, mod, codes_a: torch.Tensor, codes_b: torch.Tensor, extra: dict, sa: torch.Tensor,
-              sb: torch.Tensor, bias_arg: tuple) -> torch.Tensor:
+              sb: torch.Tensor, bias_arg: tuple, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The kernel's result, rounded to bf16 by its epilogue when ``out_dtype`` is bf16 (the bits
+        of the fp32 result's ``.to(torch.bfloat16)``, one pass over the output fewer), else fp32."""
         N = codes_b.shape[0]
         packed = extra.get("packed")
         if packed is None:
             packed = pack_weight(codes_b)
+        bf16 = out_dtype == torch.bfloat16
         ys = [mod.fp8_e4m3_gemm_amx(codes_a[r:r + AMX_ROWS], *packed, N, sa[r:r + AMX_ROWS], sb, *bias_arg,
-                                    self.emulate) for r in range(0, codes_a.shape[0], AMX_ROWS)]
+                                    self.emulate, bf16) for r in range(0, codes_a.shape[0], AMX_ROWS)]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 

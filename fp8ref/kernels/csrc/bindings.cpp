@@ -16,7 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &fp8ref::has_bf16_dot);
   m.def("has_nan_e4m3", &fp8ref::has_nan_e4m3);
   m.def("amx_status", &fp8ref::amx_status);
-  m.def("fp8_e4m3_gemm_amx", &fp8ref::fp8_e4m3_gemm_amx);
+  m.def("fp8_e4m3_gemm_amx", &fp8ref::fp8_e4m3_gemm_amx, pybind11::arg("a"), pybind11::arg("pb"),
+        pybind11::arg("special"), pybind11::arg("N"), pybind11::arg("sa"), pybind11::arg("sb"), pybind11::arg("bias"),
+        pybind11::arg("has_bias"), pybind11::arg("emulate"), pybind11::arg("out_bf16") = false);
   m.def("amx_emu_tdpbf16ps", &fp8ref::amx_emu_tdpbf16ps);
   m.def("cpu_isa", &fp8ref::cpu_isa);
   m.def("quant_blocks", &fp8ref::quant_blocks);

@@ -28,18 +28,13 @@ __attribute__((target("avx512f,avx512bw"))) void epi_row_avx512(const void* y, b
                                                                  const float* sb, const float* bias, void* out,
                                                                  bool out_bf16, int64_t n0, int64_t n1) {
   const __m512 va = _mm512_set1_ps(sa);
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
   int64_t n = n0;
   for (; n + 16 <= n1; n += 16) {
     __m512 v = _mm512_mul_ps(load16(y, n, in_bf16 ? 1 : 0), va);
     v = _mm512_mul_ps(v, _mm512_loadu_ps(sb + n));
     if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-    if (out_bf16) {  // RNE to bf16 in integers (bf16_bits, 16 lanes); NaN stays NaN
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i hi = _mm512_srli_epi32(u, 16);
-      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(hi, one))), 16);
-      r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_or_si512(hi, quiet));
-      _mm256_storeu_si256((__m256i*)((uint16_t*)out + n), _mm512_cvtepi32_epi16(r));
+    if (out_bf16) {
+      _mm256_storeu_si256((__m256i*)((uint16_t*)out + n), bf16_bits16(v));
     } else {
       _mm512_storeu_ps((float*)out + n, v);
     }

@@ -41,8 +41,9 @@ at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special,
 // (emulate = true, any CPU). amx_status() is "" where the real tiles can run, else why not (it asks
 // the OS for AMX permission the first time); amx_emu_tdpbf16ps runs one emulated instruction.
 std::string amx_status();
+// out_bf16: the output rounded once to bf16 (as torch's .to would), else fp32.
 at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
-                             at::Tensor sb, at::Tensor bias, bool has_bias, bool emulate);
+                             at::Tensor sb, at::Tensor bias, bool has_bias, bool emulate, bool out_bf16);
 at::Tensor amx_emu_tdpbf16ps(at::Tensor c, at::Tensor a, at::Tensor b);
 
 // quant.cpp: dynamic quantization with r x c blocks of one scale, bit-identical to
@@ -107,6 +108,17 @@ static inline uint16_t bf16_bits(float f) {
   std::memcpy(&u, &f, 4);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// bf16_bits on 16 lanes (AVX-512): the bf16 bits of v, rounded to nearest even in integers; NaN
+// stays NaN.
+__attribute__((target("avx512f,avx512bw"))) static inline __m256i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(hi, _mm512_set1_epi32(1)))), 16);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                                                       _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
 }
 
 // Guard of an entry point: `t` is a contiguous fp32 CPU tensor of n elements (a scale or bias vector

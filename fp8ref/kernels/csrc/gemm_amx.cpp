@@ -259,25 +259,25 @@ struct Problem {
   const uint8_t* pb;  // [N16][K2][16][2] codes
   const uint8_t* sp;  // [N16][K2]
   const float *sa, *sb, *bias;
-  float* out;
-  bool vec_decode;
+  void* out;  // [M][N] fp32, or bf16 with out_bf16
+  bool out_bf16, vec_decode;
 };
 
 // out[m, n] = (acc * sa[m]) * sb[n] (+ bias[n]) in fp32 for the work item's columns [n0, n1)
-// (at most kGroupCols); acc: its C sums, row m at acc + m * ld (acc may be the output itself: each
-// element is read before it is written). Two roundings and an add, never fused (-ffp-contract=off),
-// as the scalar loop.
+// (at most kGroupCols), then rounded once to bf16 with out_bf16; acc: its C sums, row m at acc + m *
+// ld. Two roundings and an add, never fused (-ffp-contract=off), as the scalar loop.
 void epilogue_scalar(const Problem& P, const float* acc, int64_t ld, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < P.M; ++m)
     for (int64_t n = n0; n < n1; ++n) {
       float y = acc[m * ld + (n - n0)] * P.sa[m];
       y = y * P.sb[n];
       if (P.bias) y = y + P.bias[n];
-      P.out[m * P.N + n] = y;
+      if (P.out_bf16) ((uint16_t*)P.out)[m * P.N + n] = bf16_bits(y);
+      else ((float*)P.out)[m * P.N + n] = y;
     }
 }
 
-__attribute__((target("avx512f"))) void epilogue_avx512(const Problem& P, const float* acc, int64_t ld,
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void epilogue_avx512(const Problem& P, const float* acc, int64_t ld,
                                                          int64_t n0, int64_t n1) {
   for (int64_t h = n0; h < n1; h += 16) {
     const __mmask16 k = (__mmask16)((1u << std::min<int64_t>(16, n1 - h)) - 1);
@@ -287,7 +287,8 @@ __attribute__((target("avx512f"))) void epilogue_avx512(const Problem& P, const 
       __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, acc + m * ld + (h - n0)), _mm512_set1_ps(P.sa[m]));
       y = _mm512_mul_ps(y, sb);
       if (P.bias) y = _mm512_add_ps(y, bias);
-      _mm512_mask_storeu_ps(P.out + m * P.N + h, k, y);
+      if (P.out_bf16) _mm256_mask_storeu_epi16((uint16_t*)P.out + m * P.N + h, k, bf16_bits16(y));
+      else _mm512_mask_storeu_ps((float*)P.out + m * P.N + h, k, y);
     }
   }
 }
@@ -469,7 +470,7 @@ std::string amx_status() {
 // a: [M, K] codes; pb, special: pack_weight's; out[m, n] = (acc * sa[m]) * sb[n] (+ bias[n]), fp32.
 // emulate: the same tile logic on EmuTiles (any CPU).
 at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
-                             at::Tensor sb, at::Tensor bias, bool has_bias, bool emulate) {
+                             at::Tensor sb, at::Tensor bias, bool has_bias, bool emulate, bool out_bf16) {
   if (!emulate) {
     const std::string why = amx_status();
     TORCH_CHECK(why.empty(), "the cpu-fp8-amx kernel cannot run here: ", why);
@@ -486,7 +487,7 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
   TORCH_CHECK(special.dtype() == at::kByte && special.is_contiguous() && special.numel() == N16 * K2,
               "special must be uint8 [N16, K2]");
   check_epilogue_args(sa, sb, bias, has_bias, M, N);
-  auto out = at::empty({M, N}, at::dtype(at::kFloat));
+  auto out = at::empty({M, N}, at::dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return out;
   const int64_t K2p = (K2 + 15) / 16 * 16, steps = K2p / 16;
   // The activations' codes -> their exact bf16 bits, laid out as the A tiles (one 1 KiB tile of 16
@@ -515,7 +516,8 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
                     sa.data_ptr<float>() + r0,
                     sb.data_ptr<float>(),
                     has_bias ? bias.data_ptr<float>() : nullptr,
-                    out.data_ptr<float>() + r0 * N,
+                    (char*)out.data_ptr() + r0 * N * out.element_size(),
+                    out_bf16,
                     vec};
     const int64_t groups = (N16 + 1) / 2;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
