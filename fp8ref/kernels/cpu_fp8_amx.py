@@ -15,7 +15,8 @@ is a multiple of 2**-18, so TDPBF16PS's DAZ and FTZ (it flushes denormal inputs 
 whatever MXCSR says) never act; each of its additions rounds once to nearest even, so each output
 is a sum of its K exact products by a tree of additions each rounded once, which the fp32
 accumulation bound covers in any order. The fp32 epilogue ``(acc * sa) * sb + bias`` is rounded
-once to ``out_dtype`` by torch. The emulation models the instruction as the Intel SDM writes it
+once to ``out_dtype``: to bf16 by the kernel itself (round to nearest even, the bits of torch's
+``.to``), to any other dtype by torch. The emulation models the instruction as the Intel SDM writes it
 (two fp32 temporaries per output for the even and the odd products of the pairs, each from zero,
 added together and then to C; docs/backends.md).
 

@@ -20,7 +20,7 @@
 // two-step ring in L1, and C stays in the tiles over all of K. With more (run_groups_multi) the
 // K chunks are the outer loop (a chunk's A tiles stay in L2 for all work items), two decoded B
 // panels alternate (the row chunks running over one decode their share of the next), and C sums
-// wait in the output between K chunks (exact: fp32 stores and loads).
+// wait in the thread's scratch between K chunks (exact: fp32 stores and loads).
 // Tails: a row chunk of r < 16 rows configures its A and C tiles with r rows; N is padded to 16 by
 // the packing (zero codes) and the epilogue writes only n < N; K is padded to a multiple of 16 pairs
 // in the decoded buffers (zero bf16: exact zero products).
@@ -33,7 +33,8 @@
 // K * 448^2 stays finite. Each addition of the instruction rounds once (round to nearest even), so
 // each output is a sum of its K exact products by a tree of additions each rounded once, which is
 // what the fp32 accumulation bound (gamma_{K-1}) covers in any order. The epilogue
-// (acc * sa[m]) * sb[n] (+ bias[n]) is fp32 and torch rounds the result once to the output dtype.
+// (acc * sa[m]) * sb[n] (+ bias[n]) is fp32, rounded once to the output dtype: here to bf16
+// (bf16_bits16, round to nearest even) with out_bf16, else by torch.
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
