@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,7 +197,7 @@ def test_python_m_cpu_fp8_as_a_script_registers_once(unbuilt, monkeypatch, capsy
     monkeypatch.setattr(cpu_fp8_amx, "_result", {"reason": None, "matches_emulation": True, "checks": 33})
     monkeypatch.setattr(sys, "argv", [cpu_fp8.__file__])
     before = fp8ref.get_backend("cpu-fp8")
-    script = compile(open(cpu_fp8.__file__).read(), cpu_fp8.__file__, "exec")  # what runpy does
+    script = compile(Path(cpu_fp8.__file__).read_text(), cpu_fp8.__file__, "exec")  # what runpy does
     with pytest.raises(SystemExit) as exc:
         exec(script, {"__name__": "__main__", "__package__": "fp8ref.kernels", "__file__": cpu_fp8.__file__})
     assert exc.value.code == 0

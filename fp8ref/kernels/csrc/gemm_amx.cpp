@@ -122,7 +122,15 @@ inline int64_t a_tile_offset(int64_t rb, int64_t s, int64_t row_blocks, int64_t 
 }
 
 // Activation row m's K codes -> its 32 bf16 values per step, at their place in each A tile, zeros
-// beyond K.
+// beyond K: steps [s0, steps) one code at a time; the AVX-512 version takes the full steps first.
+void decode_a_row_scalar(const uint8_t* row, int64_t K, int64_t m, int64_t row_blocks, int64_t steps, int64_t s0,
+                         uint16_t* abuf) {
+  for (int64_t s = s0; s < steps; ++s) {
+    uint16_t* dst = abuf + (m % 16) * 32 + a_tile_offset(m / 16, s, row_blocks, steps);
+    for (int i = 0; i < 32; ++i) dst[i] = 32 * s + i < K ? bf16_of_code(row[32 * s + i]) : 0;
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void decode_a_row_avx512(const uint8_t* row, int64_t K,
                                                                                 int64_t m, int64_t row_blocks,
                                                                                 int64_t steps, uint16_t* abuf) {
@@ -130,19 +138,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void decode_a_row_avx512(
   int64_t s = 0;
   for (; s < steps && 32 * s + 32 <= K; ++s)
     _mm512_store_si512(base + a_tile_offset(m / 16, s, row_blocks, steps), decode32_bf16(row + 32 * s));
-  for (; s < steps; ++s) {
-    uint16_t* dst = base + a_tile_offset(m / 16, s, row_blocks, steps);
-    for (int i = 0; i < 32; ++i) dst[i] = 32 * s + i < K ? bf16_of_code(row[32 * s + i]) : 0;
-  }
+  decode_a_row_scalar(row, K, m, row_blocks, steps, s, abuf);
 }
 
 void decode_a_row(const uint8_t* row, int64_t K, int64_t m, int64_t row_blocks, int64_t steps, uint16_t* abuf,
                   bool vec) {
-  if (vec) return decode_a_row_avx512(row, K, m, row_blocks, steps, abuf);
-  for (int64_t s = 0; s < steps; ++s) {
-    uint16_t* dst = abuf + (m % 16) * 32 + a_tile_offset(m / 16, s, row_blocks, steps);
-    for (int i = 0; i < 32; ++i) dst[i] = 32 * s + i < K ? bf16_of_code(row[32 * s + i]) : 0;
-  }
+  if (vec) decode_a_row_avx512(row, K, m, row_blocks, steps, abuf);
+  else decode_a_row_scalar(row, K, m, row_blocks, steps, 0, abuf);
 }
 
 // Every tile's memory (A tiles, the decoded B panels, C buffers) starts on a 64-byte line: a tile
@@ -178,6 +180,15 @@ constexpr int64_t kPrefetchSteps = 8;
 
 using DecodePairs = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, uint16_t*);
 
+// One B tile: pairs [p0, p0 + 16) of a column block (codes, flags: its packed codes and special
+// flags) -> dst, and a prefetch of the codes kPrefetchSteps steps on (a prefetch never faults).
+inline void decode_b_tile(DecodePairs fn, const uint8_t* codes, const uint8_t* flags, int64_t p0, int64_t K2,
+                          uint16_t* dst) {
+  fn(codes, flags, p0, p0 + 16, K2, dst);
+  const uint8_t* ahead = codes + (p0 + 16 * kPrefetchSteps) * 32;
+  for (int line = 0; line < 512; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+}
+
 // The B panel of one (K chunk, work item) decoded a few tiles at a time: more than 32 rows decode
 // the next one's panel while they run the tiles over the current one, a quota per tile step spread
 // over all of its row chunks, so that no tile load waits on a decode and the code stream overlaps
@@ -195,10 +206,7 @@ struct PanelFill {
     for (int64_t i = 0; i < n && done < total; ++i, ++done) {
       const int64_t st = done / nt;
       const int j = (int)(done % nt);
-      const int64_t p0 = kc + 16 * st;
-      fn(codes[j], flags[j], p0, p0 + 16, K2, panel + st * kStepElems + j * 512);
-      const uint8_t* ahead = codes[j] + (p0 + 16 * kPrefetchSteps) * 32;  // (a prefetch never faults)
-      for (int line = 0; line < 512; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+      decode_b_tile(fn, codes[j], flags[j], kc + 16 * st, K2, panel + st * kStepElems + j * 512);
     }
   }
   void step() { run(quota); }
@@ -300,7 +308,7 @@ template <class T>
 void run_groups_single(const Problem& P, int64_t g0, int64_t g1) {
   uint16_t* const panel = scratch<uint16_t>(kPanelSlot, 2 * kStepElems);
   float* const cacc = scratch<float>(kCSlot, kRowChunk * kGroupCols);
-  const auto decode_pairs = P.vec_decode ? decode_panel_avx512 : decode_panel_scalar;
+  const DecodePairs decode_pairs = P.vec_decode ? decode_panel_avx512 : decode_panel_scalar;
   const int r0 = (int)std::min<int64_t>(16, P.M), r1 = (int)std::max<int64_t>(0, P.M - 16);
   const int mt = r1 > 0 ? 2 : 1;
   TileConfig current;
@@ -319,12 +327,9 @@ void run_groups_single(const Problem& P, int64_t g0, int64_t g1) {
     zero_c<T>(mt, nt);
     for (int64_t kc = 0; kc < P.K2p; kc += kChunkPairs) {
       const int64_t kp = std::min(kChunkPairs, P.K2p - kc), steps = kp / 16;  // a multiple of 16 pairs
-      // Step s of this K chunk, column block j -> dst; prefetches the codes kPrefetchSteps ahead.
+      // Step s of this K chunk, column block j -> dst.
       const auto decode = [&](int j, int64_t s, uint16_t* dst) {
-        const int64_t p0 = kc + 16 * s;
-        decode_pairs(codes[j], flags[j], p0, p0 + 16, P.K2, dst);
-        const uint8_t* ahead = codes[j] + (p0 + 16 * kPrefetchSteps) * 32;  // (a prefetch never faults)
-        for (int line = 0; line < 512; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+        decode_b_tile(decode_pairs, codes[j], flags[j], kc + 16 * s, P.K2, dst);
       };
       const bool keep = kc + kp < P.K2p;
       const uint16_t* a = P.abuf + a_tile_offset(0, kc / 16, mt, P.K2p / 16);
