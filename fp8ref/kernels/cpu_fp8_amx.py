@@ -16,9 +16,9 @@ whatever MXCSR says) never act; each of its additions rounds once to nearest eve
 is a sum of its K exact products by a tree of additions each rounded once, which the fp32
 accumulation bound covers in any order. The fp32 epilogue ``(acc * sa) * sb + bias`` is rounded
 once to ``out_dtype``: to bf16 by the kernel itself (round to nearest even, the bits of torch's
-``.to``), to any other dtype by torch. The emulation models the instruction as the Intel SDM writes it
-(two fp32 temporaries per output for the even and the odd products of the pairs, each from zero,
-added together and then to C; docs/backends.md).
+``.to``), to any other dtype by torch. The emulation models the instruction as the Intel SDM
+writes it (two fp32 temporaries per output for the even and the odd products of the pairs, each
+from zero, added together and then to C; docs/backends.md).
 
 **Safety on the machines we meet.** ``available()`` says None only when (1) the extension is built,
 (2) this CPU has the flags and the OS granted AMX tile data to the process (``amx_status()``: the
