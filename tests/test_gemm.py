@@ -1,5 +1,6 @@
 """The reference scaled GEMM against exact rational arithmetic, and its bad-input errors."""
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -145,9 +146,11 @@ def test_e5m2_large_magnitudes_are_exact_where_float64_alone_is_not():
 
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "e4m3fnuz"])
-def test_widening_table_equals_the_cast_on_every_code(fmt):
-    """The reference widens codes by a 256-entry lookup; it must give the cast's bits on every
-    code (NaN codes included) and read strided column slices right."""
+@pytest.mark.parametrize("route", ["table", "fp16"])
+def test_widening_routes_equal_the_cast_on_every_code(fmt, route, monkeypatch):
+    """The reference widens codes through fp16's bits or by a 256-entry lookup; either must give
+    the cast's bits on every code (NaN codes included: an operand holding one the fp16 route gets
+    wrong takes the table) and read strided column slices right."""
     from fp8ref.spec import gemm
     from fp8ref.spec.formats import get_format
 
@@ -157,9 +160,91 @@ def test_widening_table_equals_the_cast_on_every_code(fmt):
     cast = codes.to(torch.float64)
     assert torch.equal(table.isnan(), cast.isnan())
     assert torch.equal(table[~cast.isnan()].view(torch.int64), cast[~cast.isnan()].view(torch.int64))
-    block = torch.randint(0, 256, (7, 300), dtype=torch.uint8).view(f.torch_dtype)
-    idx, out = torch.empty(7 * 300, dtype=torch.int32), torch.empty(7 * 300, dtype=torch.float64)
-    got = gemm._widen(block[:, 37:290], table, idx, out)
+    # The codes the fp16 route gets wrong are found on the 256 codes: E4M3's NaN codes (fp16 reads
+    # a number there); E5M2's NaN codes are fp16 NaNs.
+    bad = gemm._fp16_route(f, codes.device).mismatch
+    assert set(bad) == (set() if fmt == "e5m2" else set(f.nan_codes))
+    g = torch.Generator().manual_seed(3)
+    pool = torch.tensor([c for c in range(256) if route == "table" or c not in bad], dtype=torch.uint8)
+    block = pool[torch.randint(0, len(pool), (7, 300), generator=g)]
+    block[0, 37:37 + len(pool)] = pool  # every code of the pool at least once
+    block = block.view(f.torch_dtype)
+    monkeypatch.setattr(gemm, "_ROUTE_MIN_CODES", 1)  # the route on a small tile too
+    widen = gemm._Widener(block, f, 7, 300)
+    assert (widen.route is None) == (route == "table" and fmt != "e5m2")
+    got = widen(block[:, 37:290]) * 2.0**-widen.log2_scale
     want = block[:, 37:290].to(torch.float64)
     assert got.shape == want.shape
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int64), want.nan_to_num().view(torch.int64))  # -0 kept
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", [("e4m3fn", "e4m3fn"), ("e5m2", "e4m3fnuz"), ("e4m3fn", "e5m2")])
+def test_accumulation_is_exact_across_tile_and_block_edges(fmt_a, fmt_b):
+    """K over two widening tiles and a tail, N over a weight block edge and a tail, against exact
+    integer sums; a NaN code in one row of ``a`` sends ``a`` down the table route (E4M3) while
+    ``b`` takes the fp16 route: that row is NaN, the other exact."""
+    from fp8ref.spec import gemm
+
+    g = torch.Generator().manual_seed(11)
+    sa = QuantScheme(format=fmt_a, granularity="tensor", dynamic=False)
+    sb = QuantScheme(format=fmt_b, granularity="tensor", dynamic=False)
+    M, K, N = 2, 2 * gemm._TILE + 3, gemm._BLOCK_N + 5
+    a8, b8 = _codes(sa.format, (M, K), g), _codes(sb.format, (N, K), g)
+    nan_code = sa.format.nan_codes[0]
+    a8.view(torch.uint8)[1, K - 2] = nan_code
+    a, b = Quantized(a8, torch.ones(1, 1), sa), Quantized(b8, torch.ones(1, 1), sb)
+    y, n_inexact = scaled_mm_exact(a, b)
+    pa = -sa.format.min_exponent + sa.format.mantissa_bits  # values are integers times 2**-p
+    pb = -sb.format.min_exponent + sb.format.mantissa_bits
+    ia = [[int(v * 2**pa) for v in row] for row in a8[:1].to(torch.float64).tolist()]
+    ib = [[int(v * 2**pb) for v in row] for row in b8.to(torch.float64).tolist()]
+    bound = fp8ref.reference_gemm_error_bound(a, b)
+    for n in range(N):
+        exact = Fraction(sum(x * w for x, w in zip(ia[0], ib[n], strict=True)), 2 ** (pa + pb))
+        got = Fraction(float(y[0, n]))
+        assert got == exact if n_inexact == 0 else abs(got - exact) <= Fraction(float(bound[0, n])), n
+    assert bool(y[1].isnan().all())
+    # (the routes as the shape's tiles take them: the table for a's E4M3, the fp16 route for b)
+    assert (gemm._Widener(a8, sa.format, M, gemm._ROUTE_MIN_CODES).route is None) == (sa.format.exponent_bits == 4)
+    assert gemm._Widener(b8, sb.format, gemm._BLOCK_N, gemm._TILE).route is not None
+
+
+@pytest.mark.parametrize("fmt_b", ["e5m2", "e4m3fn"])
+def test_e5m2_nan_and_inf_codes_propagate_as_ieee(fmt_b):
+    """E5M2 operands are split by magnitude, and a split once dropped NaN and Inf (the result was
+    finite). Now every output with a non-finite term is what IEEE float64 gives: Inf x finite is
+    Inf, Inf x 0 and +Inf + -Inf are NaN, NaN is NaN; the others stay exact."""
+    s = QuantScheme(format="e5m2", granularity="tensor", dynamic=False)
+    sb = QuantScheme(format=fmt_b, granularity="tensor", dynamic=False)
+    inf, nan = float("inf"), float("nan")
+    a = torch.tensor([[inf, 1.0, 2.0**-16], [-inf, inf, 1.0], [nan, 1.0, 1.0], [57344.0, 2.0**-16, 3.0]])
+    b = torch.tensor([[2.0, 1.0, 1.0], [0.0, 1.0, 1.0], [1.0, 1.0, 0.5]])
+    qa = Quantized(a.to(torch.float8_e5m2), torch.ones(1, 1), s)
+    qb = Quantized(b.to(sb.format.torch_dtype), torch.ones(1, 1), sb)
+    y, _ = scaled_mm_exact(qa, qb)
+    want = a.to(torch.float64) @ b.to(torch.float64).T
+    assert torch.equal(y[:3].isnan(), want[:3].isnan()) and bool(y[1].isnan().all()) and bool(y[2].isnan().all())
+    assert float(y[0, 0]) == inf and math.isnan(float(y[0, 1])) and float(y[0, 2]) == inf
+    assert float(y[3, 0]) == 2 * 57344.0 + 2.0**-16 + 3.0  # exact: float64 alone gets this right too,
+    assert float(y[3, 2]) == 57344.0 + 2.0**-16 + 1.5  # but it comes from the split parts here
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_blocking_changes_no_bit(fmt, monkeypatch):
+    """Tiles, weight blocks and activation panels much smaller than the shape (and not dividing
+    it) give the bits of the default blocking, per-group segments and E5M2's split included."""
+    from fp8ref.spec import gemm
+
+    g = torch.Generator().manual_seed(5)
+    s = QuantScheme(format=fmt, granularity="group", group_size=64)
+    a = quantize(torch.randn(37, 300, generator=g), s)
+    b = quantize(torch.randn(45, 300, generator=g), s)
+    want, n_want = scaled_mm_exact(a, b)
+    absolute, _ = scaled_mm_exact(a, b, absolute=True)
+    monkeypatch.setattr(gemm, "_TILE", 24)
+    monkeypatch.setattr(gemm, "_BLOCK_N", 16)
+    monkeypatch.setattr(gemm, "_A_PANEL", 37 * 48)  # two tiles per panel
+    got, n_got = scaled_mm_exact(a, b)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64)) and n_got == n_want
+    assert torch.equal(scaled_mm_exact(a, b, absolute=True)[0].view(torch.int64), absolute.view(torch.int64))
