@@ -248,3 +248,28 @@ def test_blocking_changes_no_bit(fmt, monkeypatch):
     got, n_got = scaled_mm_exact(a, b)
     assert torch.equal(got.view(torch.int64), want.view(torch.int64)) and n_got == n_want
     assert torch.equal(scaled_mm_exact(a, b, absolute=True)[0].view(torch.int64), absolute.view(torch.int64))
+
+
+def test_flushed_subnormals_change_no_bit():
+    """The fp16 route reads E4M3's subnormal codes as fp16 subnormals: it is checked under the
+    floating-point environment of the call, so with subnormals flushed (torch.set_flush_denormal)
+    the reference either still takes it correctly or falls back to the table: the same bits."""
+    from fp8ref.spec import gemm
+
+    g = torch.Generator().manual_seed(9)
+    s = QuantScheme(granularity="tensor", dynamic=False)
+    a8 = torch.randint(0, 16, (4, 512), generator=g, dtype=torch.uint8)  # +-0 and subnormals ...
+    a8 |= torch.randint(0, 2, (4, 512), generator=g, dtype=torch.uint8) << 7
+    b8 = _codes(s.format, (gemm._ROUTE_MIN_CODES // 512 + 1, 512), g)  # ... against a tile on the route
+    a = Quantized(a8.view(s.format.torch_dtype), torch.ones(1, 1), s)
+    b = Quantized(b8, torch.ones(1, 1), s)
+    want, _ = scaled_mm_exact(a, b)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        got, _ = scaled_mm_exact(a, b)
+        got_b, _ = scaled_mm_exact(b, b)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    assert torch.equal(got_b.view(torch.int64), scaled_mm_exact(b, b)[0].view(torch.int64))

@@ -186,7 +186,7 @@ def _fp16_route(fmt: Fp8Format, device: torch.device) -> _Route | None:
     return _checked_route(fmt, torch.device(device).type, _denormals_kept())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _checked_route(fmt: Fp8Format, device_type: str, denormals_kept: bool) -> _Route | None:
     device = torch.device(device_type)
     if fmt.exponent_bits not in (4, 5):
@@ -254,7 +254,7 @@ class _Widener:
         return out.copy_(f32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nonfinite_magnitude(fmt: Fp8Format) -> int | None:
     """t such that a code is NaN or Inf exactly when its low 7 bits are >= t (E5M2: 0x7C; E4M3FN:
     0x7F), 256 if no code is, or None where no such t exists (E4M3FNUZ: 0x80 alone)."""
