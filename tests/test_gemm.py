@@ -181,9 +181,10 @@ def test_widening_routes_equal_the_cast_on_every_code(fmt, route, monkeypatch):
 
 @pytest.mark.parametrize("fmt_a,fmt_b", [("e4m3fn", "e4m3fn"), ("e5m2", "e4m3fnuz"), ("e4m3fn", "e5m2")])
 def test_accumulation_is_exact_across_tile_and_block_edges(fmt_a, fmt_b):
-    """K over two widening tiles and a tail, N over a weight block edge and a tail, against exact
-    integer sums; a NaN code in one row of ``a`` sends ``a`` down the table route (E4M3) while
-    ``b`` takes the fp16 route: that row is NaN, the other exact."""
+    """K over two widening tiles and a tail, N over a weight block edge and a tail (its tail
+    block small enough for the table, the others on the fp16 route), against exact integer sums;
+    a NaN code in one row of ``a`` (which would keep an E4M3 ``a`` off the route at any size):
+    that row is NaN, the other exact."""
     from fp8ref.spec import gemm
 
     g = torch.Generator().manual_seed(11)

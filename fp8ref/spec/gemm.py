@@ -255,10 +255,16 @@ class _Widener:
 
 
 @functools.cache
+def _nonfinite_codes(fmt: Fp8Format) -> tuple[int, ...]:
+    """The codes of ``fmt`` that decode to NaN or Inf."""
+    return tuple(c for c, v in fmt.codes() if not math.isfinite(v))
+
+
+@functools.cache
 def _nonfinite_magnitude(fmt: Fp8Format) -> int | None:
     """t such that a code is NaN or Inf exactly when its low 7 bits are >= t (E5M2: 0x7C; E4M3FN:
     0x7F), 256 if no code is, or None where no such t exists (E4M3FNUZ: 0x80 alone)."""
-    bad = {c for c, v in fmt.codes() if not math.isfinite(v)}
+    bad = set(_nonfinite_codes(fmt))
     if not bad:
         return 256
     t = min(c & 0x7F for c in bad)
@@ -274,7 +280,7 @@ def _holds_nonfinite(codes: torch.Tensor, fmt: Fp8Format) -> bool:
     u8 = codes.view(torch.uint8)
     if t is not None:
         return t < 256 and int(torch.bitwise_and(u8, 0x7F).max()) >= t
-    bad = torch.tensor([c for c, v in fmt.codes() if not math.isfinite(v)], dtype=torch.uint8, device=codes.device)
+    bad = torch.tensor(_nonfinite_codes(fmt), dtype=torch.uint8, device=codes.device)
     return bool(torch.isin(u8, bad).any())
 
 
