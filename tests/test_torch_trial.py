@@ -1,9 +1,9 @@
 """The ``torch`` backends decline what ``torch._scaled_mm`` cannot do on this machine (issue 10).
 
-torch 2.13.0+cpu raises for E4M3FNUZ operands on some CPUs (every shape on an AMX Xeon, M = N = 1
-on a Zen 4 EPYC) and computes them on others (Zen 3 and Zen 5 EPYCs, an Ice Lake Xeon). The backends decide it with a
-trial call; these tests hold them to "accept => compute within the bound, else decline with
-torch's message", on whatever CPU runs them.
+torch 2.13.0+cpu raises for E4M3FNUZ operands on some machines (every shape on an AMX Xeon, M = N = 1
+on one Zen 4 EPYC) and computes them on others (another Zen 4, Zen 3 and Zen 5 EPYCs, an Ice Lake Xeon):
+not a function of the CPU design. The backends decide it with a trial call; these tests hold them to
+"accept => compute within the bound, else decline with torch's message", on whatever CPU runs them.
 """
 
 from __future__ import annotations
@@ -117,26 +117,60 @@ def _ledger_entry() -> dict:
     return mod.known_failure("torch-cpu-scaled-mm-fnuz")
 
 
+def _design_records(entry: dict, sig: dict) -> list[dict]:
+    """The ledger's observations of machines of this CPU design (a record's None matches any value)."""
+    keys = ("kind", "vendor", "family", "model")
+    return [c for c in entry["cpus"] if all(c.get(k) is None or c[k] == sig.get(k) for k in keys)]
+
+
+def _observed_raises(record: dict, M: int, N: int) -> bool:
+    return record["raises"] == "every shape" or (record["raises"] == "M = N = 1" and M == N == 1)
+
+
+def test_ledger_records_are_well_formed():
+    entry = _ledger_entry()
+    assert entry["cpus"], "the entry records no machine"
+    for c in entry["cpus"]:
+        assert set(c) == {"kind", "vendor", "family", "model", "raises", "seen"}, c
+        assert c["raises"] in ("every shape", "M = N = 1", "never"), c
+    # the two family-25 avx512_bf16 records disagree at M = N = 1: the reason the test below warns
+    # instead of failing where a machine disagrees with its design's records
+    zen4 = [c for c in entry["cpus"] if (c["kind"], c["family"]) == ("avx512_bf16", 25)]
+    assert {_observed_raises(c, 1, 1) for c in zen4} == {True, False}
+
+
 @pytest.mark.parametrize(("M", "N", "K"), SHAPES)
 def test_upstream_fnuz_behaviour_on_this_cpu(M, N, K):
-    """The ledger's record of torch._scaled_mm on E4M3FNUZ, per CPU design: where it says the call
-    raises, this is a strict expected failure (a PyTorch fix turns it into a failure that forces the
-    entry's update); where it says it runs, it must run; an unrecorded CPU design is reported."""
+    """torch._scaled_mm called directly on E4M3FNUZ operands: where it raises, it raises the error the
+    ledger entry torch-cpu-scaled-mm-fnuz records (and the backends decline with it: the test above);
+    where it runs, its result is within the fp32-accumulation bound. Whether it raises is not a function
+    of the CPU design (two Zen 4 EPYCs disagreed at M = N = 1), so this machine's behaviour is checked
+    against its design's earlier records only by a warning, never a failure: a test that asserted the
+    record made main red on the machine that disagreed."""
     if torch.__version__.split("+")[0] != "2.13.0":
         pytest.skip(f"the ledger records torch 2.13.0, this is {torch.__version__}")
     entry = _ledger_entry()
     sig = cpu_signature()
-    records = [c for c in entry["cpus"] if all(sig.get(k) == v for k, v in c.items() if k != "raises")]
     err = _direct_scaled_mm_error(M, N, K)
-    if not records:
-        pytest.skip(f"{cpu_model()} ({sig}) is not in the ledger; here torch._scaled_mm "
-                    f"{'raises: ' + err if err else 'runs'} at M={M}, N={N}")
-    assert len(records) == 1, f"ledger torch-cpu-scaled-mm-fnuz: {len(records)} records match {sig}: {records}"
-    recorded, kind = records[0]["raises"], f"{sig['kind']}, {sig['vendor']} family {sig['family']}"
-    expect_raise = recorded == "every shape" or (recorded == "M = N = 1" and M == N == 1)
-    if expect_raise:
-        assert err is not None, (f"{cpu_model()} ({kind}): torch._scaled_mm now runs E4M3FNUZ at M={M}, N={N}: "
-                                 "update the ledger entry torch-cpu-scaled-mm-fnuz")
-        assert "itensor_view_from_dense" in err
+    if err is not None:
+        assert "itensor_view_from_dense" in err and "e4m3fnuz" in err.lower(), (
+            f"{cpu_model()} ({sig}): torch._scaled_mm raises an error the ledger does not record: {err}")
     else:
-        assert err is None, f"{cpu_model()} ({kind}): torch._scaled_mm raises at M={M}, N={N}: {err}"
+        a = fst.make_codes(fst.CodeSpec("bits", 3), M, K, ROCM.activation)
+        b = fst.make_codes(fst.CodeSpec("bits", 4), N, K, ROCM.weight)
+        y = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale.float().reshape(M, 1),
+                             scale_b=b.scale.float().reshape(1, N), out_dtype=torch.bfloat16)
+        y_ref = fp8ref.scaled_mm(a, b, out_dtype=torch.float64)
+        bound = fp8ref.gemm_error_bound(a, b, out_dtype=torch.bfloat16, y_ref=y_ref)
+        worst = float(((y.double() - y_ref).abs() / bound).max())
+        assert worst <= 1.0, f"torch._scaled_mm runs E4M3FNUZ here and misses the bound: worst error/bound {worst:.3g}"
+    here = err is not None
+    seen = _design_records(entry, sig)
+    exact = [c for c in seen if c["model"] == sig.get("model")]
+    if not exact or any(_observed_raises(c, M, N) != here for c in exact):
+        import warnings
+
+        warnings.warn(f"torch-cpu-scaled-mm-fnuz: on {cpu_model()} ({sig}) torch._scaled_mm "
+                      f"{'raises' if here else 'runs'} at M={M}, N={N}, which no record of this machine "
+                      f"says; the ledger's records of its design: {seen or 'none'} (add an observation)",
+                      stacklevel=1)
