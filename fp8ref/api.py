@@ -19,6 +19,8 @@ from . import select as _select
 from .kernels._common import BIAS_NON_FINITE, check_codes, check_finite
 from .registry import Backend as _Backend
 from .registry import Case as _Case
+from .spec.fenv import flushing as _flushing
+from .spec.fenv import ieee_subnormals as _ieee_subnormals
 from .spec.gemm import OUT_DTYPES, scaled_mm
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
@@ -398,6 +400,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     >>> fp8ref.linear(x, w, backend="reference").shape
     torch.Size([4, 32])
     """
+    if _flushing():  # fp8ref's numbers keep subnormals whatever the caller's thread flushes (spec/fenv.py)
+        with _ieee_subnormals():
+            return linear(x, w, bias, recipe=recipe, backend=backend, precision=precision, out_dtype=out_dtype)
     _check_x(x)
     if type(backend) is not str:
         raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")

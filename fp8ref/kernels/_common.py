@@ -6,6 +6,7 @@ Nothing here is part of the spec; every function is checked against ``fp8ref.spe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,15 +14,46 @@ from typing import Any
 import torch
 
 from ..spec import quant
+from ..spec.fenv import flushing, ieee_subnormals
 from ..spec.formats import get_format
 from ..spec.gemm import check_operands
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
-__all__ = ["PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "native_quant", "native_rows",
-           "native_format_args", "segment_scale", "check_finite", "check_mm_args", "empty_result", "unwrap",
-           "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
+__all__ = ["ieee_methods", "PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "native_quant",
+           "native_rows", "native_format_args", "segment_scale", "check_finite", "check_mm_args", "empty_result",
+           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
+
+
+_IEEE_METHODS = ("quantize", "scaled_mm", "linear", "prepare_weight")
+
+
+def _ieee_method(fn):
+    @functools.wraps(fn)
+    def method(*args, **kwargs):
+        if not flushing():
+            return fn(*args, **kwargs)
+        with ieee_subnormals():
+            return fn(*args, **kwargs)
+
+    method._ieee = True
+    return method
+
+
+def ieee_methods(cls):
+    """Class decorator for fp8ref's own backends: ``quantize``, ``scaled_mm``, ``linear`` and
+    ``prepare_weight`` compute with subnormals kept whatever the calling thread flushes
+    (``torch.set_flush_denormal``; fp8ref.spec.fenv), so that a backend's bits do not depend on the
+    caller's floating-point environment. The check costs ~0.1 us per call; the C++ kernels also
+    guard MXCSR themselves, on every thread they run on. Third-party backends are left as they are:
+    ``fp8ref.linear`` guards every call it makes, and the conformance suite runs them as written.
+    """
+    for name in _IEEE_METHODS:
+        fn = cls.__dict__.get(name)
+        if fn is not None and not getattr(fn, "_ieee", False):
+            setattr(cls, name, _ieee_method(fn))
+    return cls
 
 
 @dataclass(frozen=True, eq=False)

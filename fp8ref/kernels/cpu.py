@@ -68,6 +68,7 @@ from ._common import (
     check_mm_args,
     empty_result,
     fast_quantize,
+    ieee_methods,
     native_rows,
     segment_scale,
     unwrap,
@@ -233,6 +234,7 @@ class _Compiled:
 _COMPILED = _Compiled()
 
 
+@ieee_methods
 class CpuWideBackend(Backend):
     """FP8 values held exactly in ``wide`` (bf16 or fp32), one wide GEMM, fp32 scales and bias.
 

@@ -47,7 +47,7 @@ from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
-from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fast_quantize, unwrap
+from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
 
 __all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "main", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
            "PACKED_ROWS", "PATH_FLAGS"]
@@ -132,6 +132,7 @@ def _nan_codes(codes: torch.Tensor) -> bool:
     return bool(((u8 & 0x7F) == 0x7F).any())
 
 
+@ieee_methods
 class CpuFp8Backend(Backend):
     """FP8 codes read directly by a C++ kernel (see the module docstring).
 

@@ -63,6 +63,7 @@ from ..spec import bounds, gemm
 from ..spec.quant import Quantized, quantize
 from ..spec.schemes import W8A8_FP8, QuantScheme
 from . import native
+from ._common import ieee_methods
 from .cpu_fp8 import CpuFp8Backend, pack_weight
 
 __all__ = ["CpuFp8AmxBackend", "AMX_FLAGS", "AMX_ROWS", "SELF_TEST_SHAPES", "self_test", "self_test_result",
@@ -83,6 +84,7 @@ SELF_TEST_SHAPES = ((1, 1, 1), (1, 64, 1030), (3, 17, 33), (15, 45, 77), (16, 32
 _SELF_TEST_VERSION = 2
 
 
+@ieee_methods
 class CpuFp8AmxBackend(CpuFp8Backend):
     """cpu-fp8 on AMX tiles (see the module docstring); ``emulate = True`` runs the same tile
     logic on the software emulation of the tiles (any CPU; for tests)."""

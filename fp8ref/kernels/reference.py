@@ -7,8 +7,10 @@ import torch
 from ..registry import Backend, register_backend
 from ..spec import gemm, quant
 from ..spec.bounds import Accumulation
+from ._common import ieee_methods
 
 
+@ieee_methods
 class ReferenceBackend(Backend):
     name = "reference"
     accumulation = Accumulation.EXACT

@@ -45,7 +45,7 @@ from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, pad_last, pad_weight, unwrap
+from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, pad_last, pad_weight, unwrap
 
 __all__ = ["SglKernelBackend", "SglBlockwiseBackend", "scaled_mm_args", "blockwise_mm_args",
            "per_token_quant_buffers", "group_quant_buffers", "BLOCKWISE_ACCUMULATION"]
@@ -200,6 +200,7 @@ def _blockwise_reason(sa: QuantScheme, sb: QuantScheme, M: int, N: int, K: int) 
     return None
 
 
+@ieee_methods
 class _SglBase(Backend):
     output_roundings = 2
 
@@ -240,6 +241,7 @@ class _SglBase(Backend):
         return Quantized(q, s, scheme, None)
 
 
+@ieee_methods
 class SglKernelBackend(_SglBase):
     """``sgl_kernel.fp8_scaled_mm`` with per-token/per-tensor x per-channel/per-tensor scales."""
 
@@ -263,6 +265,7 @@ class SglKernelBackend(_SglBase):
         return y if late is None else (y.float() + late).to(out_dtype)
 
 
+@ieee_methods
 class SglBlockwiseBackend(_SglBase):
     """``sgl_kernel.fp8_blockwise_scaled_mm``: 1 x 128 activation groups, 128 x 128 weight blocks."""
 

@@ -43,6 +43,7 @@ from ._common import (
     check_mm_args,
     empty_result,
     fast_quantize,
+    ieee_methods,
     pad_last,
     pad_weight,
     unwrap,
@@ -70,6 +71,7 @@ _TRIALS: dict[tuple, str | None] = {}
 _TRIALS_LOCK = threading.Lock()
 
 
+@ieee_methods
 class TorchScaledMMBackend(Backend):
     """``torch._scaled_mm`` with tensor-wise or row-wise scales (see module docstring).
 

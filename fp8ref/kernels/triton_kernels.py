@@ -39,7 +39,7 @@ from ..spec.formats import E4M3FN
 from ..spec.gemm import OUT_DTYPES
 from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, unwrap
+from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
 
 __all__ = ["TritonBackend", "triton_quantize", "triton_scaled_mm", "interpreting", "CUDA_ACCUMULATION",
            "rne_e4m3_reference"]
@@ -227,6 +227,7 @@ def triton_scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     return out.to(out_dtype)
 
 
+@ieee_methods
 class TritonBackend(Backend):
     """Triton kernels for quantization and the scaled GEMM (see the module docstring).
 

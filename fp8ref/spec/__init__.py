@@ -2,8 +2,9 @@
 conforming implementation may stray.
 
 A leaf: it imports nothing else from fp8ref. Its modules follow the dependency order
-``formats`` (the three FP8 formats) -> ``schemes`` (how a tensor is quantized, recipes) ->
-``quant`` (the reference quantizer) -> ``gemm`` (the exact scaled GEMM) -> ``bounds`` (error
-bounds derived from unit roundoffs, precision classes). ``docs/spec.md`` is the same contract in
+``fenv`` (subnormals kept whatever the caller's thread flushes) -> ``formats`` (the three FP8
+formats) -> ``schemes`` (how a tensor is quantized, recipes) -> ``quant`` (the reference
+quantizer) -> ``gemm`` (the exact scaled GEMM) -> ``bounds`` (error bounds derived from unit
+roundoffs, precision classes). ``docs/spec.md`` is the same contract in
 prose and equations.
 """

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .fenv import flushing, ieee_subnormals
 from .gemm import k_segments, scale_column, scaled_mm_exact
 from .quant import Quantized, expand_scale
 
@@ -183,6 +184,9 @@ def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     division (d = 3 for float64 input, which is first rounded to fp32); the third the clamp at
     qmax, non-zero only for saturated elements.
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return quantization_error_bound(x, q)
     rows, cols = x.shape
     fmt, qmax = q.scheme.format, q.scheme.qmax
     s32 = expand_scale(q.scale.to(torch.float32), q.scheme, rows, cols)
@@ -228,6 +232,9 @@ def reference_gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | 
 
         |y_ref - y*| <= gamma_{nseg + n_add + 2}(u64) (P + |bias|),   P = sum_g |sa sb| sum |a b|
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return reference_gemm_error_bound(a, b, bias)
     mass, n_add = _mass(a, b)
     return _reference_error(len(k_segments(a, b)), n_add, mass, _abs_bias(bias, mass))
 
@@ -274,6 +281,10 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     reference's own deviation E_ref (``reference_gemm_error_bound``) is added, because the
     comparison is against y_ref, not y*.
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return gemm_error_bound(a, b, bias, out_dtype=out_dtype, accumulation=accumulation,
+                                    output_roundings=output_roundings, y_ref=y_ref)
     if output_roundings not in (1, 2):
         raise ValueError(f"output_roundings must be 1 or 2, got {output_roundings}")
     u_o, eta_o = unit_roundoff(out_dtype), _eta(out_dtype)
@@ -352,6 +363,10 @@ def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quan
     <= 24-bit significands are exact in float64). Adding the backend's ``gemm_error_bound`` and
     the reference's ``reference_gemm_error_bound`` gives the bound.
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return linear_error_bound(x, w, qx, qw, bias, out_dtype=out_dtype, accumulation=accumulation,
+                                      output_roundings=output_roundings)
     K = x.shape[1]
     ax, aw = x.to(torch.float64).abs(), w.to(torch.float64).abs()
     qxb, qwb = quantization_error_bound(x, qx), quantization_error_bound(w, qw)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .fenv import flushing, ieee_subnormals
 from .formats import Fp8Format
 from .schemes import Granularity, QuantScheme
 
@@ -150,6 +151,9 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     below that dtype's smallest normal (smallest subnormal with ``subnormal_scales``). Hence
     s > 0 and finite for every finite input.
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return compute_scale(x, scheme)
     rows, cols = x.shape
     r, c = scheme.block_shape(rows, cols)
     if x.numel() == 0:
@@ -187,6 +191,9 @@ def round_to_format(v: torch.Tensor, fmt: Fp8Format, qmax: float) -> torch.Tenso
     torch >= 2.12's cast rounds to nearest even and saturates; older casts and ml_dtypes give NaN
     on overflow, so the clamp is part of the spec rather than left to the cast.
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return round_to_format(v, fmt, qmax)
     return torch.clamp(v, -qmax, qmax).to(fmt.torch_dtype)
 
 
@@ -234,6 +241,9 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | None = None, scale: torch.Te
     >>> q.data.float().tolist(), q.scale.item()
     ([[1.0, -2.0, 448.0]], 1.0)
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return quantize(x, scheme, scale)
     scheme = QuantScheme() if scheme is None else scheme
     if not isinstance(scheme, QuantScheme):
         raise TypeError(f"scheme must be a QuantScheme, got {type(scheme).__name__}")
@@ -270,6 +280,9 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     The product of a 4-bit FP8 significand and a <= 24-bit scale significand has at most 28
     bits, so the fp64 product is exact.
     """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return dequantize(q, dtype)
     rows, cols = q.data.shape
     s = expand_scale(q.scale.to(torch.float64), q.scheme, rows, cols)
     return (q.data.to(torch.float64) * s).to(dtype)

@@ -73,6 +73,7 @@ __attribute__((target("avx2,f16c"))) void epi_row_avx2(const void* y, bool in_bf
 // over it (the caller owns y). isa: -1 the best this CPU runs, else 0 scalar, 1 AVX2, 2 AVX-512.
 at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
                           bool out_bf16, int64_t isa) {
+  const CsrGuard csr;  // IEEE subnormals on this thread, whatever the caller set
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "y must be a contiguous 2-D tensor");
   TORCH_CHECK(y.device().is_cpu(), "scale_epilogue: y must be a CPU tensor, got ", y.device());
   TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "y must be fp32/bf16");
@@ -95,6 +96,7 @@ at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor
   // Work items are (row, chunk of up to 4096 columns): rows in parallel, and long rows split too.
   const int64_t C = 4096, chunks = (N + C - 1) / C;
   at::parallel_for(0, M * chunks, std::max<int64_t>(1, 16384 / std::min(N, C)), [&](int64_t i0, int64_t i1) {
+    const CsrGuard csr;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / chunks, n0 = (i % chunks) * C, n1 = std::min(N, n0 + C);
       const auto row = isa == 2 ? epi_row_avx512 : (isa == 1 ? epi_row_avx2 : epi_row_scalar);

@@ -24,6 +24,23 @@
 
 namespace fp8ref {
 
+// MXCSR without flush-to-zero (bit 15) and denormals-are-zero (bit 6) while the guard lives, on
+// the thread that made it: the kernels compute IEEE results whatever the caller set (for
+// example torch.set_flush_denormal(True), which sets both), and quant_bf16_avx2 relies on it.
+// Every entry point makes one on the calling thread, and every at::parallel_for body its own (a
+// worker thread has its own MXCSR; tests/test_fenv.py).
+struct CsrGuard {
+  unsigned saved;
+  CsrGuard() : saved(_mm_getcsr()) {
+    if (saved & 0x8040u) _mm_setcsr(saved & ~0x8040u);
+  }
+  ~CsrGuard() {
+    if (saved & 0x8040u) _mm_setcsr(saved);
+  }
+  CsrGuard(const CsrGuard&) = delete;
+  CsrGuard& operator=(const CsrGuard&) = delete;
+};
+
 // gemm.cpp: out[m, n] = (acc * 2^16) * sa[m] * sb[n] (+ bias[n]) in fp32, from E4M3FN codes; gemm_isa()
 // is its best code path on this CPU (0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512 + F16C).
 int64_t gemm_isa();

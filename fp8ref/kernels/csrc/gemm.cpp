@@ -164,6 +164,7 @@ int64_t gemm_isa() {
 // (gemm_isa), else 0 scalar, 1 AVX2, 2 AVX-512 (tests force each one).
 at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
                          int64_t isa) {
+  const CsrGuard csr;  // IEEE subnormals on this thread, whatever the caller set
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8_e4m3_gemm: a [M, K] and b [N, K] must be 2-D, got shapes ",
               a.sizes(), " and ", b.sizes());
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "fp8_e4m3_gemm: a and b must be CPU tensors");
@@ -194,6 +195,7 @@ at::Tensor fp8_e4m3_gemm(at::Tensor a, at::Tensor b, at::Tensor sa, at::Tensor s
   // 2^16 undoes the two 2^-8 of the fp16 decoding, exactly.
   const float unscale = 65536.0f;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    const CsrGuard csr;
     std::vector<float> acc(M * (n1 - n0));
     if (isa == 2) rows_avx512(ad.data(), M, K, bcodes, n0, n1, acc.data());
     else if (isa == 1) rows_avx2(ad.data(), M, K, bcodes, n0, n1, acc.data());

@@ -477,6 +477,7 @@ std::string amx_status() {
 // emulate: the same tile logic on EmuTiles (any CPU).
 at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                              at::Tensor sb, at::Tensor bias, bool has_bias, bool emulate, bool out_bf16) {
+  const CsrGuard csr;  // IEEE subnormals on this thread, whatever the caller set
   if (!emulate) {
     const std::string why = amx_status();
     TORCH_CHECK(why.empty(), "the cpu-fp8-amx kernel cannot run here: ", why);
@@ -508,6 +509,7 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
   for (int64_t r0 = 0; r0 < M; r0 += kRowPanel) {
     const int64_t rows = std::min(kRowPanel, M - r0);
     at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
+      const CsrGuard csr;
       for (int64_t m = m0; m < m1; ++m)
         decode_a_row(ap + (r0 + m) * K, K, m, (rows + 15) / 16, steps, abuf, vec);
     });
@@ -527,6 +529,7 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
                     vec};
     const int64_t groups = (N16 + 1) / 2;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      const CsrGuard csr;
       if (emulate) run_groups<amx::EmuTiles>(P, g0, g1);
       else run_groups<amx::RealTiles>(P, g0, g1);
     });
@@ -537,6 +540,7 @@ at::Tensor fp8_e4m3_gemm_amx(at::Tensor a, at::Tensor pb, at::Tensor special, in
 // One TDPBF16PS on explicit tiles, emulated: C [m, n] fp32 += A [m, 2k] bf16 . B [k, 2n] bf16
 // (B in the pair layout). For tests of the emulation's semantics and of its fault checks.
 at::Tensor amx_emu_tdpbf16ps(at::Tensor c, at::Tensor a, at::Tensor b) {
+  const CsrGuard csr;  // IEEE subnormals on this thread, whatever the caller set
   TORCH_CHECK(c.scalar_type() == at::kFloat && a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16,
               "c fp32, a and b bf16");
   TORCH_CHECK(c.dim() == 2 && a.dim() == 2 && b.dim() == 2, "2-D tiles");

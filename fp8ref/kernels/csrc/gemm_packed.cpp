@@ -184,6 +184,7 @@ bool has_bf16_dot() {
 // a: [M, K] codes; pb: packed weight [N16, K2, 16, 2] codes; out[m, n] = (acc * sa[m]) * sb[n] (+ bias[n]), fp32.
 at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special, int64_t N, at::Tensor sa,
                                 at::Tensor sb, at::Tensor bias, bool has_bias) {
+  const CsrGuard csr;  // IEEE subnormals on this thread, whatever the caller set
   TORCH_CHECK(has_bf16_dot(), "the packed cpu-fp8 path needs avx512_bf16");
   TORCH_CHECK(a.dim() == 2 && N >= 0, "fp8_e4m3_gemm_packed: a must be 2-D [M, K] and N >= 0, got a ", a.sizes(),
               ", N = ", N);
@@ -211,6 +212,7 @@ at::Tensor fp8_e4m3_gemm_packed(at::Tensor a, at::Tensor pb, at::Tensor special,
   float* op = out.data_ptr<float>();
   const uint8_t* pbp = pb.data_ptr<uint8_t>();
   at::parallel_for(0, N16, 4, [&](int64_t b0, int64_t b1) {
+    const CsrGuard csr;
     std::vector<float> acc(M * 16);
     for (int64_t nb = b0; nb < b1; ++nb) {
       packed_rows(ahi.data(), alo.data(), M, K2, pbp + nb * K2 * 32, spp + nb * K2, acc.data(), 16);

@@ -544,21 +544,6 @@ QuantFn quant_for1(int64_t isa, int mode, bool nz) {
   return mode == 0 ? quant_for2<T, 0>(isa, nz) : (mode == 1 ? quant_for2<T, 1>(isa, nz) : quant_for2<T, 2>(isa, nz));
 }
 
-// MXCSR without flush-to-zero (bit 15) and denormals-are-zero (bit 6) while the guard lives, on
-// the thread that made it: the kernels compute IEEE results whatever the caller set (for
-// example torch.set_flush_denormal(True), which sets both), and quant_bf16_avx2 relies on it.
-struct CsrGuard {
-  unsigned saved;
-  CsrGuard() : saved(_mm_getcsr()) {
-    if (saved & 0x8040u) _mm_setcsr(saved & ~0x8040u);
-  }
-  ~CsrGuard() {
-    if (saved & 0x8040u) _mm_setcsr(saved);
-  }
-  CsrGuard(const CsrGuard&) = delete;
-  CsrGuard& operator=(const CsrGuard&) = delete;
-};
-
 // The spec's scale of a block with this amax (compute_scale, fp32 scale_dtype); 0 if it overflows.
 float block_scale(float amax, float qmax, float floor, bool pow2) {
   float s = std::max(amax, floor) / qmax;
