@@ -53,10 +53,21 @@ constexpr float kUnscale = 0x1p56f;
 
 // 32 codes of a group with no zero or subnormal code -> bf16 bits of their values times 2^-120:
 // sign-extended, (c << 4) puts the mantissa at bits 4-6, the exponent field at 7-10 and the sign
-// at 11-15; the mask keeps bits 4-10 and 15.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i decode32_scaled(const uint8_t* p) {
+// at 11-15; `mask` (kScaledMask, held in a register by the caller: scaled_mask()) keeps bits 4-10
+// and 15.
+constexpr short kScaledMask = (short)0x87F0;
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i decode32_scaled(const uint8_t* p,
+                                                                                      __m512i mask) {
   const __m512i c = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
-  return _mm512_and_si512(_mm512_slli_epi16(c, 4), _mm512_set1_epi16((short)0x87F0));
+  return _mm512_and_si512(_mm512_slli_epi16(c, 4), mask);
+}
+// kScaledMask in every 16-bit lane, opaque to the optimizer: with the constant visible, GCC 12
+// rematerialized it before every K-step's and (mov + vpbroadcastd from a general register, one
+// more vector op in five on the M = 1 rows' critical resource; seen in the disassembly).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i scaled_mask() {
+  __m512i m = _mm512_set1_epi16(kScaledMask);
+  asm("" : "+v"(m));
+  return m;
 }
 template <int MM, int CH>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const uint32_t* ahi, const uint32_t* alo,
@@ -66,6 +77,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const u
   // CH independent accumulator chains per row, K-step p feeding chain p % CH: vdpbf16ps has a
   // latency of several cycles, so one chain per row leaves a few rows waiting on it.
   __m512 s[CH][MM];
+  const __m512i mask = scaled_mask();
 #pragma GCC unroll 16
   for (int c = 0; c < CH; ++c)
 #pragma GCC unroll 16
@@ -78,7 +90,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const u
     for (int c = 0; c < CH; ++c) {
       const int64_t q = p + c;
       const bool sp = special[q];
-      const __m512bh bv = (__m512bh)(sp ? decode32_bf16(pb + q * 32) : decode32_scaled(pb + q * 32));
+      const __m512bh bv = (__m512bh)(sp ? decode32_bf16(pb + q * 32) : decode32_scaled(pb + q * 32, mask));
       const uint32_t* ap = (sp ? alo : ahi) + q * lda;
 #pragma GCC unroll 16
       for (int i = 0; i < MM; ++i) dpbf16_bcast(s[c][i], bv, ap + i);
@@ -86,7 +98,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_block(const u
   }
   for (; p < K2; ++p) {
     const bool sp = special[p];
-    const __m512bh bv = (__m512bh)(sp ? decode32_bf16(pb + p * 32) : decode32_scaled(pb + p * 32));
+    const __m512bh bv = (__m512bh)(sp ? decode32_bf16(pb + p * 32) : decode32_scaled(pb + p * 32, mask));
     const uint32_t* ap = (sp ? alo : ahi) + p * lda;
 #pragma GCC unroll 16
     for (int i = 0; i < MM; ++i) dpbf16_bcast(s[0][i], bv, ap + i);
