@@ -463,6 +463,12 @@ def _cli(capsys, *args) -> SimpleNamespace:
     return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
 
+def test_cli_unknown_backend_is_an_error_before_the_model_loads(tmp_path, capsys):
+    r = _cli(capsys, "--model", "no-such-model", "--backend", "reference,nope", "--out", str(tmp_path / "a"))
+    assert r.returncode == 2
+    assert "--backend: no backend named 'nope'" in r.stderr and "loading" not in r.stdout
+
+
 @pytest.mark.audit
 def test_cli_minilm_writes_reports_and_fails_on_drift(tmp_path, capsys):
     _need_material()

@@ -400,6 +400,27 @@ def test_cli_bench_rejects_bad_options(argv):
     assert exc.value.code == 2
 
 
+def test_cli_bench_unknown_backend_is_an_error_before_any_work(capsys, tmp_path):
+    """A misspelt --backend (or a comma list before commas were accepted) used to run a benchmark of
+    nothing but ``auto`` and exit 0."""
+    out = tmp_path / "b.json"
+    assert main(["bench", "--sections", "linear", "--backend", "cpu-fp8,nope", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--backend: no backend named 'nope'" in err and "reference" in err
+    assert not out.exists()
+
+
+def test_cli_bench_backend_takes_commas_and_repeats(tmp_path):
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--quick", "--threads", "1", "--sections", "linear", "--shape", "64x32", "--m", "1",
+               "--backend", "reference,torch", "--backend", "cpu-fp32", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    ran = set(res["linear"][0]["backends"]) - {"auto"}
+    assert ran == {"reference", "torch", "cpu-fp32"} - set(res["backends_skipped"]), (ran, res["backends_skipped"])
+    assert "--backend reference --backend torch --backend cpu-fp32" in res["meta"]["command"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cli_bench_cuda_without_cuda_says_so(capsys):
     assert main(["bench", "--device", "cuda", "--quick"]) == 2

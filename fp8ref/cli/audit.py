@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..spec.schemes import RECIPES
+from .bench import _names, unknown_backends
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,8 +27,8 @@ def add_parser(sub) -> None:
                                                    "/ index (weights-only audit when no config.json is beside it)")
     p.add_argument("--text", default="hamlet", help="gsm8k, hamlet or a text file (default hamlet)")
     p.add_argument("--recipe", default="w8a8_fp8", choices=sorted(RECIPES), help="quantization recipe")
-    p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
-                   help="backend to audit, repeatable (default: reference and auto)")
+    p.add_argument("--backend", action="extend", type=_names, dest="backends", metavar="NAME",
+                   help="backend to audit, repeatable or NAME1,NAME2 (default: reference and auto)")
     p.add_argument("--skip", action="append", metavar="PATTERN",
                    help="linear layers left in float: name, dotted suffix or fnmatch pattern; repeatable "
                         "(default lm_head; --skip none audits every nn.Linear)")
@@ -85,6 +86,10 @@ def _audit(args: argparse.Namespace) -> int:
         return _weights_only(args, out)
     th = _thresholds(args)
     backends = tuple(args.backends or ("reference", "auto"))
+    reason = unknown_backends(backends, extra=("auto",))
+    if reason:  # before the model loads
+        print(f"fp8ref audit: --backend: {reason}", file=sys.stderr)
+        return 2
     print(f"loading {args.model} ...", flush=True)
     model, tok, kind, name = load_model(args.model, _DTYPES[args.dtype])
     if kind == "causal_lm":

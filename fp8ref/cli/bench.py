@@ -42,6 +42,26 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _names(text: str) -> list[str]:
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected a backend name (or comma-separated names), got {text!r}")
+    return vals
+
+
+def unknown_backends(names, extra: tuple[str, ...] = ()) -> str | None:
+    """Why ``names`` (``--backend`` values) cannot run: the unregistered ones and the registered
+    names, or None. Checked before any work (a typo used to give a benchmark of nothing)."""
+    from ..registry import backends
+
+    known = [i.name for i in backends()] + list(extra)
+    bad = [n for n in names or () if n not in known]
+    if not bad:
+        return None
+    return (f"no backend named {', '.join(map(repr, bad))}; registered: {', '.join(known)} "
+            "(repeat --backend, or separate names with commas)")
+
+
 def _sections(text: str) -> list[str]:
     vals = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in vals if v not in SECTIONS]
@@ -57,8 +77,9 @@ def add_parser(sub) -> None:
                    help="one shape (K=N=4096), M in {1,16}, small tensors: well under a minute on a CPU")
     p.add_argument("--json", metavar="FILE", type=Path, help="also write every figure to FILE as JSON")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device the backends run on")
-    p.add_argument("--backend", action="append", metavar="NAME",
-                   help="only this backend (repeatable); default: every backend available on the device")
+    p.add_argument("--backend", action="extend", type=_names, metavar="NAME",
+                   help="only this backend (repeatable, or NAME1,NAME2); default: every backend available on "
+                        "the device")
     p.add_argument("--shape", action="append", type=_shape, metavar="KxN",
                    help="linear shape (repeatable); default: the Llama-3.1-8B shapes")
     p.add_argument("--m", type=_ints, metavar="M1,M2,..", help="token counts; default 1,16,128,1024")
@@ -103,6 +124,10 @@ def _bench(args: argparse.Namespace) -> int:
     reason = args.json and unwritable_reason(args.json)
     if reason:
         print(f"fp8ref bench: --json: {reason}", file=sys.stderr)
+        return 2
+    reason = unknown_backends(args.backend)
+    if reason:
+        print(f"fp8ref bench: --backend: {reason}", file=sys.stderr)
         return 2
     if args.threads:
         import torch
