@@ -6,7 +6,6 @@ Nothing here is part of the spec; every function is checked against ``fp8ref.spe
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 from ..spec import quant
-from ..spec.fenv import flushing, ieee_subnormals
+from ..spec.fenv import ieee
 from ..spec.formats import get_format
 from ..spec.gemm import check_operands
 from ..spec.quant import Quantized
@@ -30,13 +29,7 @@ _IEEE_METHODS = ("quantize", "scaled_mm", "linear", "prepare_weight")
 
 
 def _ieee_method(fn):
-    @functools.wraps(fn)
-    def method(*args, **kwargs):
-        if not flushing():
-            return fn(*args, **kwargs)
-        with ieee_subnormals():
-            return fn(*args, **kwargs)
-
+    method = ieee(fn)
     method._ieee = True
     return method
 

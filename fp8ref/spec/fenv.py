@@ -90,7 +90,8 @@ class ieee_subnormals:
 
 
 def ieee(fn: F) -> F:
-    """Decorator: ``fn`` runs inside ``ieee_subnormals()`` when the calling thread flushes."""
+    """Decorator: ``fn`` runs inside ``ieee_subnormals()`` when the calling thread flushes (fp8ref's
+    backends use it through ``kernels._common.ieee_methods``; a third-party backend may too)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
