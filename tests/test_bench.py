@@ -412,6 +412,7 @@ def test_cli_bench_unknown_backend_is_an_error_before_any_work(capsys, tmp_path)
 
 def test_cli_bench_backend_takes_commas_and_repeats(tmp_path):
     out = tmp_path / "b.json"
+    threads = torch.get_num_threads()
     rc = main(["bench", "--quick", "--threads", "1", "--sections", "linear", "--shape", "64x32", "--m", "1",
                "--backend", "reference,torch", "--backend", "cpu-fp32", "--json", str(out)])
     assert rc == 0
@@ -419,6 +420,7 @@ def test_cli_bench_backend_takes_commas_and_repeats(tmp_path):
     ran = set(res["linear"][0]["backends"]) - {"auto"}
     assert ran == {"reference", "torch", "cpu-fp32"} - set(res["backends_skipped"]), (ran, res["backends_skipped"])
     assert "--backend reference --backend torch --backend cpu-fp32" in res["meta"]["command"]
+    assert torch.get_num_threads() == threads, "--threads must not outlive the call"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

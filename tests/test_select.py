@@ -266,7 +266,9 @@ def test_memory_then_disk_then_probe(fakes):
 def test_cache_survives_process_restart(tmp_path):
     env = dict(os.environ, **{sel.ENV_CACHE_DIR: str(tmp_path)})
     env.pop(sel.ENV_BACKEND, None)
-    code = ("import fp8ref; from fp8ref import select as s; "
+    # the key holds the thread count: the child uses the parent's (which another test may have changed)
+    code = (f"import torch; torch.set_num_threads({torch.get_num_threads()}); "
+            "import fp8ref; from fp8ref import select as s; "
             "d = s.select(fp8ref.Case(M=4, N=32, K=64, recipe=fp8ref.W8A8_FP8), candidates=['reference']); "
             "print(d.source, d.chosen)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(fp8ref.__file__)))

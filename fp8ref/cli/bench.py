@@ -129,9 +129,10 @@ def _bench(args: argparse.Namespace) -> int:
     if reason:
         print(f"fp8ref bench: --backend: {reason}", file=sys.stderr)
         return 2
-    if args.threads:
-        import torch
+    import torch
 
+    threads = torch.get_num_threads()
+    if args.threads:
         torch.set_num_threads(args.threads)
     try:
         res = bench.run(args.device, quick=args.quick, backends_only=args.backend, shapes=args.shape,
@@ -140,6 +141,8 @@ def _bench(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as exc:
         print(f"fp8ref bench: {exc}", file=sys.stderr)
         return 2
+    finally:  # main() called in a process that goes on (a test, a notebook) keeps its thread count
+        torch.set_num_threads(threads)
     res["meta"]["command"] = _command_line(args)
     print(bench.format_report(res))
     if args.json:
