@@ -38,7 +38,8 @@ def ieee_methods(cls):
     """Class decorator for fp8ref's own backends: ``quantize``, ``scaled_mm``, ``linear`` and
     ``prepare_weight`` compute with subnormals kept whatever the calling thread flushes
     (``torch.set_flush_denormal``; fp8ref.spec.fenv), so that a backend's bits do not depend on the
-    caller's floating-point environment. The check costs ~0.1 us per call; the C++ kernels also
+    caller's floating-point environment. The check and the wrapper's frame cost ~0.8 us on a
+    `cpu-fp8` linear (measured, docs/performance.md, Zen 4); the C++ kernels also
     guard MXCSR themselves, on every thread they run on. Third-party backends are left as they are:
     ``fp8ref.linear`` guards every call it makes, and the conformance suite runs them as written.
     """
