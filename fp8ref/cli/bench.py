@@ -50,16 +50,20 @@ def _names(text: str) -> list[str]:
 
 
 def unknown_backends(names, extra: tuple[str, ...] = ()) -> str | None:
-    """Why ``names`` (``--backend`` values) cannot run: the unregistered ones and the registered
-    names, or None. Checked before any work (a typo used to give a benchmark of nothing)."""
-    from ..registry import backends
+    """Why ``names`` (``--backend`` values) cannot run: the registry's message for the first
+    unregistered one (it lists the registered names), or None. Checked before any work (a typo
+    used to give a benchmark of nothing); ``extra`` are names the command takes besides ("auto")."""
+    from ..registry import get_backend
 
-    known = [i.name for i in backends()] + list(extra)
-    bad = [n for n in names or () if n not in known]
-    if not bad:
-        return None
-    return (f"no backend named {', '.join(map(repr, bad))}; registered: {', '.join(known)} "
-            "(repeat --backend, or separate names with commas)")
+    for n in names or ():
+        if n in extra:
+            continue
+        try:
+            get_backend(n)
+        except KeyError as exc:
+            also = f" (or {', '.join(extra)})" if extra else ""
+            return f"{exc.args[0]}{also}; repeat --backend, or separate names with commas"
+    return None
 
 
 def _sections(text: str) -> list[str]:
