@@ -196,6 +196,50 @@ def test_fastest_and_auto_ratio():
     assert row["fastest"] == "c" and row["auto_over_fastest"] == pytest.approx(2.1)
 
 
+def test_auto_is_timed_beside_the_two_fastest_admitted_backends(monkeypatch):
+    """auto_over_fastest: auto back to back with each of the two fastest admitted backends, called
+    through fp8ref.linear by name; a backend failing there is reported, not raised."""
+    from types import SimpleNamespace
+
+    from fp8ref.bench import linear as bench_linear_module
+
+    called = []
+
+    def fake_linear(x, w, bias, recipe, backend):
+        called.append(backend)
+        if backend == "b":
+            raise RuntimeError("kernel launch failed")
+
+    def fake_paired(base, fn, **kwargs):
+        fn()
+        return SimpleNamespace(ratio={"a": 0.7, "d": 1.5}[called[-1]])
+
+    monkeypatch.setattr(bench_linear_module, "linear", fake_linear)
+    monkeypatch.setattr(bench_linear_module, "paired", fake_paired)
+    row = {"K": 64, "N": 32, "M": 2,
+           "backends": {"a": {"speedup_vs_bf16": 1.5}, "b": {"speedup_vs_bf16": 2.0}, "c": {"speedup_vs_bf16": 3.0},
+                        "d": {"speedup_vs_bf16": 1.0}, "auto": {"speedup_vs_bf16": 1.9}}}
+    bench_linear_module._fastest(row, ["a", "b", "d"])  # c is the fastest but not admitted
+    assert row["fastest"] == "b" and row["auto_over_fastest_via_bf16"] == pytest.approx(2.0 / 1.9)
+    bench_linear_module._auto_beside_the_fastest(row, ["a", "b", "d"], lambda: None, [None], lambda: (None, 0),
+                                                 W8A8_FP8, device="cpu", repeat=1, budget_s=0.1, log=lambda s: None)
+    assert called == ["b", "a"]  # the two fastest admitted, d not timed
+    assert row["auto_beside"] == {"a": 0.7} and row["auto_over_fastest"] == 0.7
+    assert "kernel launch failed" in row["auto_beside_errors"]["b"]
+
+
+def test_auto_beside_its_backend_shares_the_prepared_weight(monkeypatch):
+    """The backend timed beside auto runs on the copy fp8ref.linear prepared for auto: a real run
+    prepares each weight once through fp8ref.linear, whichever calls time it."""
+    from fp8ref import api
+
+    monkeypatch.setenv("FP8REF_CANDIDATES", "reference")
+    before = api.STATS["prepare_weight"]
+    (row,) = bench.bench_linear("cpu", ["reference"], shapes=[(64, 32)], m_values=[2], repeat=2, budget_s=0.05)
+    assert api.STATS["prepare_weight"] - before == 1
+    assert set(row["auto_beside"]) == {"reference"} and row["auto_over_fastest"] == row["auto_beside"]["reference"] > 0
+
+
 def test_paired_ratio_is_the_median_of_back_to_back_rounds(monkeypatch):
     """A machine that slows down 4x after a few calls: the ratio of two medians taken one after
     the other reads the drift (0.5), the paired rounds read the true 2x (each round's two samples

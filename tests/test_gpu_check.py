@@ -362,3 +362,15 @@ def test_auto_is_compared_only_with_backends_it_may_pick():
     row["backends"]["auto"]["precision"] = "fast"
     t = _by(gpu_check.evaluate_targets({"linear": [row]}), "auto_vs_fastest")["K=4096 N=4096 M=16"]
     assert t["value"] == pytest.approx(0.72 / 0.4) and t["passed"] is False
+
+
+def test_auto_vs_fastest_takes_the_bench_s_back_to_back_ratio_when_it_covers_the_fastest():
+    row = _row(16, 1.0, {"torch": {"seconds": 0.7, "precision": "strict"},
+                         "torch-fast": {"seconds": 0.4, "precision": "fast"},
+                         "auto": {"seconds": 0.9, "precision": "standard"}})
+    row["auto_beside"] = {"torch": 1.01, "torch-fast": 1.9}  # torch-fast is not admitted: left out
+    t = _by(gpu_check.evaluate_targets({"linear": [row]}), "auto_vs_fastest")["K=4096 N=4096 M=16"]
+    assert t["value"] == pytest.approx(1.01) and t["passed"] and "timed beside auto: torch 1.010" in t["detail"]
+    row["auto_beside"] = {"torch-fast": 1.9}  # the fastest admitted backend was not timed beside auto
+    t = _by(gpu_check.evaluate_targets({"linear": [row]}), "auto_vs_fastest")["K=4096 N=4096 M=16"]
+    assert t["value"] == pytest.approx(0.9 / 0.7) and "beside" not in t["detail"]
