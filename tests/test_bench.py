@@ -224,7 +224,7 @@ def test_auto_is_timed_beside_the_two_fastest_admitted_backends(monkeypatch):
     bench_linear_module._auto_beside_the_fastest(row, ["a", "b", "d"], lambda: None, [None], lambda: (None, 0),
                                                  W8A8_FP8, device="cpu", repeat=1, budget_s=0.1, log=lambda s: None)
     assert called == ["b", "a"]  # the two fastest admitted, d not timed
-    assert row["auto_beside"] == {"a": 0.7} and row["auto_over_fastest"] == 0.7
+    assert row["auto_beside"] == {"a": 0.7} and row["auto_over_fastest"] == 0.7 and row["fastest_beside"] == "a"
     assert "kernel launch failed" in row["auto_beside_errors"]["b"]
 
 
@@ -383,7 +383,12 @@ def test_report_formats_every_section():
         "linear": [{"K": 8, "N": 8, "M": 1, "bf16_s": 1e-3, "bf16_frac_of_peak": 0.25, "fastest": "b",
                     "auto_over_fastest": 1.01,
                     "backends": {"b": {"speedup_vs_bf16": 1.5, "frac_of_peak": 0.375, "gemm_speedup_vs_bf16": 2.0},
-                                 "auto": {"skipped": "x"}}}],
+                                 "auto": {"skipped": "x"}}},
+                   # auto timed beside b and c: c ran fastest beside it, and the report names c
+                   {"K": 8, "N": 8, "M": 2, "bf16_s": 1e-3, "fastest": "b", "fastest_beside": "c",
+                    "auto_over_fastest": 1.02, "auto_beside": {"b": 0.99, "c": 1.02},
+                    "backends": {"b": {"speedup_vs_bf16": 1.5}, "c": {"speedup_vs_bf16": 1.4},
+                                 "auto": {"speedup_vs_bf16": 1.45}}}],
         "reference": {"scaled_mm": {"M": 128, "K": 4096, "N": 4096}, "scaled_mm_over_fp32_linear": 2.8,
                       "target_scaled_mm_over_fp32_linear": 3.0,
                       "quantize": {"shape": [4096, 4096], "gbps": 0.1}},
@@ -394,7 +399,7 @@ def test_report_formats_every_section():
                          "passed": True}, {"backend": "c", "skipped": "not available"}],
     }
     text = bench.format_report(res)
-    for s in ("50.0", "1.500/ 37.5%", "1.010 (b)", "2.80 x fp32 F.linear (target <= 3)", "2.0 us per call",
+    for s in ("50.0", "1.500/ 37.5%", "1.010 (b)", "1.020 (c)", "2.80 x fp32 F.linear (target <= 3)", "2.0 us per call",
               "10.0 examples/s", "first selection (probe + timing) at M=16 K=8 N=8: 500.0 ms", "(picks c)",
               "dispatch overhead at M=1 K=4 N=4: 2.0 us per call (2.0 % of the auto call)",
               "triton (unavailable: no CUDA)", "load average at start 1.00, at end 2.00",

@@ -268,9 +268,9 @@ def _auto_beside_the_fastest(row: dict, admitted: Sequence[str], auto_call: Call
     docs/performance.md the same backend read 1.8 and 2.5 ms per call a minute apart at M = 1
     while bf16 ``F.linear`` held 7.7-7.8 ms), and every backend's row prepares a copy of its own.
 
-    Sets ``row["auto_beside"]`` (name -> median over rounds of auto's time over that backend's)
-    and ``row["auto_over_fastest"]`` = its largest value: auto against whichever of them ran
-    fastest beside it (1.05 = 5 % slower).
+    Sets ``row["auto_beside"]`` (name -> median over rounds of auto's time over that backend's),
+    ``row["auto_over_fastest"]`` = its largest value: auto against whichever of them ran fastest
+    beside it (1.05 = 5 % slower), and ``row["fastest_beside"]`` = that backend's name.
     """
     beside: dict[str, float] = {}
     for name in _ranked(row, admitted)[:BESIDE_AUTO]:
@@ -285,4 +285,5 @@ def _auto_beside_the_fastest(row: dict, admitted: Sequence[str], auto_call: Call
             log(f"  auto beside {name} K={row['K']} N={row['N']} M={row['M']}: error {exc}")
     if beside:
         row["auto_beside"] = beside
-        row["auto_over_fastest"] = max(beside.values())
+        row["fastest_beside"] = max(beside, key=beside.get)
+        row["auto_over_fastest"] = beside[row["fastest_beside"]]

@@ -108,9 +108,10 @@ def format_report(res: dict) -> str:
                 else:
                     cells.append(("err" if "error" in e else "skip").rjust(15))
             bpk = r.get("bf16_frac_of_peak")
+            vs = r.get("fastest_beside", r.get("fastest", "-"))  # the backend auto_over_fastest is against
             out.append(f"  {r['K']:5} {r['N']:5} {r['M']:4} {r['bf16_s'] * 1e3:9.3f} "
                        f"{_fmt(None if bpk is None else 100 * bpk, '7.1f'):>8} " + " ".join(cells)
-                       + f"  {_fmt(r.get('auto_over_fastest'), '.3f')} ({r.get('fastest', '-')})")
+                       + f"  {_fmt(r.get('auto_over_fastest'), '.3f')} ({vs})")
         gem = [(r, b, e) for r in res["linear"] for b, e in r["backends"].items() if "gemm_speedup_vs_bf16" in e]
         if gem:
             out.append("  FP8 GEMM alone (activations pre-quantized), speed-up over bf16 F.linear:")
