@@ -25,7 +25,7 @@ Every product of two FP8 values is exact in fp32 and each addition rounds once i
 The C++ lives in ``fp8ref/kernels/csrc/`` (``gemm_packed.cpp``, ``gemm.cpp``; ``decode.h``); the
 same extension holds the fused quantizer and scale epilogue used by ``fast_quantize``,
 ``cpu-bf16`` and ``cpu-fp32``. ``fp8ref.kernels.native`` builds and loads it: the backend is
-available once this environment's build exists, which ``python -m fp8ref.kernels.cpu_fp8`` makes
+available once this environment's build exists, which ``python -m fp8ref.kernels.build`` makes
 (one to four minutes on two cores), or ``FP8REF_CPU_FP8=1`` at the first availability check; never a
 selection's probe or a timed call.
 
@@ -49,7 +49,7 @@ from ..spec.schemes import Granularity, QuantScheme
 from . import native
 from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
 
-__all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "main", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
+__all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
            "PACKED_ROWS", "PATH_FLAGS"]
 
 #: Rows beyond which the packed kernel declines. On a 2-core EPYC with avx512_bf16 (quiet, Llama-3.1-8B
@@ -256,37 +256,6 @@ class CpuFp8Backend(Backend):
         return mod.fp8_e4m3_gemm(codes_a, codes_b, sa, sb, *bias_arg, _GEMM_ISA[self._path()])
 
 
-if __name__ != "__main__":  # run as a script, this file is a second copy of the module (see the end)
-    register_backend(CpuFp8Backend())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fp8ref.kernels.cpu_fp8 [-v]``: build this environment's extension (or find it built)."""
-    args = sys.argv[1:] if argv is None else argv
-    try:
-        mod = native.build(verbose="-v" in args)
-    except RuntimeError as exc:
-        print(f"fp8ref: the cpu-fp8 kernel is unavailable: {exc}", file=sys.stderr)
-        return 1
-    amx = mod.amx_status()
-    if not amx:
-        from .cpu_fp8_amx import self_test_summary  # (imports this module)
-        amx = f"yes: {self_test_summary()}"
-    else:
-        amx = f"no, {amx}"
-    print(f"cpu-fp8 kernel ready: {native.library_path()}\n"
-          f"  this CPU ({cpu_model()}): cpu-fp8 runs its {gemm_path()} kernel; AMX tiles (cpu-fp8-amx): {amx}")
-    return 0
-
-
-def _script_main() -> int:
-    """``python -m`` runs this file as ``__main__``, a copy beside the package's module that
-    cpu_fp8_amx imports; registering from both raised "already registered" on the first AMX
-    machine, so the script leaves the registration and the report to the package's copy."""
-    from fp8ref.kernels import cpu_fp8 as package_module
-
-    return package_module.main()
-
-
-if __name__ == "__main__":
-    sys.exit(_script_main())
+if __name__ == "__main__":  # the build command's former home: a stale script fails loudly
+    sys.exit("fp8ref: the build command is `python -m fp8ref.kernels.build` now")
+register_backend(CpuFp8Backend())

@@ -273,7 +273,7 @@ def self_test_result() -> dict:
 
 def self_test_summary() -> str:
     """One line on the real tiles' self-test, for the bench header and ``python -m
-    fp8ref.kernels.cpu_fp8``: passed or why not, and whether the chip's bits equal the emulation's.
+    fp8ref.kernels.build``: passed or why not, and whether the chip's bits equal the emulation's.
     The emulation follows the SDM's pseudocode of TDPBF16PS, whose accumulation order Intel's
     intrinsics guide writes differently; which one the chip follows is unverified until a machine
     with AMX reports it here (a difference is no defect: the self-test checks the bound)."""
