@@ -142,9 +142,12 @@ def _sample(n: int, k: int) -> torch.Tensor:
     return torch.linspace(0, n - 1, min(k, n)).round().long().unique()
 
 
-def bound_check(acc: LayerAccumulator, x2, w, bias, y, qx: Quantized, qw: Quantized, b: Backend, od,
-                 rows: int, cols: int) -> None:
+def bound_check(acc: LayerAccumulator, x2, w, bias, y, *, qx: Quantized, qw: Quantized, b: Backend, od,
+                rows: int, cols: int) -> None:
     """Worst |y - y_true| / linear_error_bound on a rows x cols sample of the output.
+
+    The layer's call (``x2``, ``w``, ``bias``, ``y``) comes by position, its quantized operands,
+    the backend that computed ``y``, the output dtype ``od`` and the sample's size by name.
 
     The bound of element (m, n) depends only on row m of x and row n of w (and their scales),
     so it is computed on the sampled rows of both operands, each kept with its own scales
