@@ -9,6 +9,10 @@
   files (``fp8ref/kernels/csrc/``).
 - No function takes more than ``MAX_POSITIONAL`` positional parameters (a method's receiver and a
   Triton kernel's launch arguments aside): beyond that a call site is a row of unnamed values.
+- Docstrings and comments hold no lab notebook: no CPU model (``CPU_NAME``) and no speed figure
+  (``SPEED_FIGURE``); measurements of one machine go to docs/performance.md ("Figures behind the
+  code"), and the code keeps the reason for its choice. ``NOTEBOOK_ALLOWED`` lists the few
+  phrases that are facts, not measurements, each with its reason.
 - No module is longer than ``MAX_LINES`` unless its docstring says why, in a paragraph starting
   with ``LONG_MARKER``.
 - Every package has a docstring whose first paragraph says what lives there and which mentions
@@ -18,7 +22,9 @@
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from functools import cache
 from pathlib import Path
 
@@ -47,6 +53,30 @@ POSITIONAL_PENDING = {
     "fp8ref/api.py::_fallback",  # TODO(issue 33, h3)
     "fp8ref/conformance/driver.py::_search",  # TODO(issue 33, h1): the run state in attributes
 }
+
+#: CPU models and machine descriptions ("a 2-vCPU ..."): in a docstring or a comment they mark a
+#: measurement of one machine.
+CPU_NAME = re.compile(r"\b(?:Zen ?\d|EPYC|Xeon|Sapphire Rapids|Emerald Rapids|Granite Rapids|Ice ?Lake|"
+                      r"Cascade ?Lake|Cooper ?Lake|Skylake|Genoa|Milan|Turin|Ryzen|Graviton|Neoverse|Opteron)\b"
+                      r"|\b\d+-(?:v?CPUs?|cores?)\b")
+#: Speed figures: a number (or a range) with a unit of time below the second or of throughput, a
+#: decimal speed ratio ("1.45x", "0.91-0.99x") or a ratio said to be faster or slower. Integer
+#: multiples that are not speeds ("up to 2x saturation", "32x too small") are left alone.
+SPEED_FIGURE = re.compile(
+    r"(?<![\w.])\d+(?:\.\d+)?\s*(?:-\s*\d+(?:\.\d+)?\s*)?(?:ns|us|µs|ms|[GMT]i?B/s|[GMT]FLOP/s|G codes/s|cycles)"
+    r"(?![\w/])"
+    r"|(?<![\w.])\d+\.\d+(?:\s*-\s*\d+\.\d+)?x\b"
+    r"|(?<![\w.])\d+(?:\.\d+)?x (?:faster|slower|as long|the time|the CPU)\b")
+#: (module, phrase) -> why it stays: a figure or CPU name inside the phrase is not a measurement.
+NOTEBOOK_ALLOWED = {
+    ("fp8ref/kernels/cpu_fp8_amx.py", "Intel Xeon Sapphire Rapids and later"):
+        "which CPUs have the AMX instructions: a fact of the hardware",
+    ("fp8ref/bench/timing.py", "Default 1 ms on CUDA, 5 ms on CPU"): "a parameter's documented default",
+    ("fp8ref/bench/report.py", "memory copy 10.00 GB/s (read + write); bf16 GEMM peak 100.0 GFLOP/s"):
+        "a doctest's output on made-up input",
+}
+#: Modules whose job is to identify CPUs: they may name them (never with a figure).
+CPU_NAMES_ALLOWED = {"fp8ref/_machine.py": "says which vendor, family and model numbers name which design"}
 
 #: The areas of fp8ref from the bottom up: at module level an area imports only from itself and
 #: from areas of a lower rank. ``fp8ref`` is the face (``fp8ref/__init__.py``) alone.
@@ -382,3 +412,74 @@ def test_the_positional_count_sees_what_a_caller_writes():
         "g = lambda a, b: a\n")
     assert {(f, n) for f, n, _ in _positional_counts(tree)} == {
         ("f", 3), ("C.m", 2), ("C.s", 2), ("C.outer", 1), ("C.outer.inner", 3), ("<lambda>", 2)}
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every docstring (a string standing as a statement, ``#:`` attribute
+    docs' neighbours included) and every block of consecutive comment lines in ``path``, with
+    the whitespace collapsed so that a figure wrapped over two lines is still one figure."""
+    src = path.read_text()
+    out = [(node.lineno, " ".join(node.value.value.split())) for node in ast.walk(ast.parse(src))
+           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)]
+    block: list[str] = []
+    start = last = -1
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        line = tok.start[0]
+        if block and line != last + 1:
+            out.append((start, " ".join(block)))
+            block = []
+        if not block:
+            start = line
+        block.append(" ".join(tok.string.lstrip("#:").split()))
+        last = line
+    if block:
+        out.append((start, " ".join(block)))
+    return out
+
+
+def _notebook_entries(rel: str, text: str) -> list[str]:
+    """The CPU names and speed figures in ``text`` that no allowed phrase of module ``rel`` covers."""
+    spans = []
+    for (where, phrase), _ in NOTEBOOK_ALLOWED.items():
+        if where == rel:
+            spans += [(m.start(), m.end()) for m in re.finditer(re.escape(phrase), text)]
+    found = [m for m in SPEED_FIGURE.finditer(text)]
+    if rel not in CPU_NAMES_ALLOWED:
+        found += CPU_NAME.finditer(text)
+    return [m.group() for m in found if not any(a <= m.start() and m.end() <= b for a, b in spans)]
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_docstrings_and_comments_hold_no_lab_notebook(name):
+    path = _modules()[name]
+    rel = path.relative_to(ROOT).as_posix()
+    found = [f"{rel}:{line}: {hits}" for line, text in _prose(path) if (hits := _notebook_entries(rel, text))]
+    assert not found, ("machine-specific measurements in docstrings or comments; move them to docs/performance.md "
+                       "(\"Figures behind the code\": the figure, the CPU, the date) and keep the reason for the "
+                       "choice here:\n" + "\n".join(found))
+
+
+def test_notebook_allowances_are_still_needed():
+    for (rel, phrase), reason in NOTEBOOK_ALLOWED.items():
+        texts = [t for _, t in _prose(ROOT / rel) if phrase in t]
+        assert texts, f"{rel} no longer says {phrase!r}: drop it from NOTEBOOK_ALLOWED"
+        assert SPEED_FIGURE.search(phrase) or CPU_NAME.search(phrase), f"{phrase!r} needs no allowance"
+        assert reason
+    for rel in CPU_NAMES_ALLOWED:
+        assert any(CPU_NAME.search(t) for _, t in _prose(ROOT / rel)), f"{rel} names no CPU: drop its allowance"
+
+
+@pytest.mark.parametrize("text, hits", [
+    ("on a 2-vCPU Xeon with AMX it ran 1.45-1.8x bf16 F.linear", ["1.45-1.8x", "Xeon", "2-vCPU"]),
+    ("24.5-25.2 -> 23.7-24.0 ms at M = 1024", ["23.7-24.0 ms"]),
+    ("0.76 ns per code; 0.2 GB/s; 11 us against 96-180 us; 1.4 µs", ["0.76 ns", "0.2 GB/s", "11 us", "96-180 us",
+                                                                    "1.4 µs"]),
+    ("ran 4x slower per row; a ci run took 8x the CPU time; on the Zen 4 EPYC", ["4x slower", "8x the CPU", "Zen 4",
+                                                                                 "EPYC"]),
+    ("up to 2x saturation; 32x too small; 100-1000x larger; K = 4096; 1 << 20; 2**-9; 448", []),
+    ("quantization in GB/s as a fraction of the copy; ms per call; a 2-core machine", ["2-core"]),
+])
+def test_the_notebook_check_sees_figures_not_constants(text, hits):
+    assert sorted(_notebook_entries("fp8ref/x.py", text)) == sorted(hits)

@@ -52,22 +52,23 @@ from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fas
 __all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
            "PACKED_ROWS", "PATH_FLAGS"]
 
-#: Rows beyond which the packed kernel declines. On a 2-core EPYC with avx512_bf16 (quiet, Llama-3.1-8B
-#: shapes) it ran at 1.45-1.8x bf16 ``F.linear``'s speed at M = 16, 1.04-1.17x at 64, 0.95-1.03x at 128,
-#: 0.91-0.99x at 256 and 0.70-0.86x at 1024, where oneDNN's bf16 GEMM (cpu-bf16, 0.93-1.0x) wins.
-#: The selector times buckets above 128 rows at 128 rows, so a larger limit could pick it there.
+#: Rows beyond which the packed kernel declines: its lead over bf16 ``F.linear`` shrinks as M grows
+#: (the weight's bytes matter less) to about par at 128-256 rows, and beyond, oneDNN's bf16 GEMM
+#: (``cpu-bf16``, same strict class) was the faster one (docs/performance.md, "Figures behind the
+#: code").
 MAX_M = 256
 #: Rows beyond which the AVX2 kernel (CPUs without AVX-512: fp16-pattern decoding, fp32 FMAs) declines.
-#: On the 2-vCPU AVX2 EPYC it beat bf16 ``F.linear`` (which has no bf16 arithmetic there) at every M
-#: measured and fp32 ``F.linear`` up to M = 32-64 (docs/performance.md); beyond, ``cpu-fp32``
-#: (oneDNN's fp32 GEMM on the exact values, same strict class) is the faster one.
+#: Where measured it beat bf16 ``F.linear`` (which has no bf16 arithmetic there) at every M and fp32
+#: ``F.linear`` at small M; beyond, ``cpu-fp32`` (oneDNN's fp32 GEMM on the exact values, same strict
+#: class) is the faster one (docs/performance.md, "Figures behind the code").
 MAX_M_AVX2 = 128
 #: Rows beyond which the other fallbacks (AVX-512 without avx512_bf16: fp16 decoding + fp32 FMAs;
-#: no AVX2: a scalar loop) decline: one core of an AVX-512 EPYC measured the first at 0.78-1.27x
-#: bf16 ``F.linear`` at M = 4 and 0.45x at M = 16.
+#: no AVX2: a scalar loop) decline: the first barely kept up with bf16 ``F.linear`` at M = 4 and fell
+#: far behind at M = 16 (docs/performance.md, "Figures behind the code").
 MAX_M_FALLBACK = 4
 #: Rows per call of the packed kernel: its activation pairs (K/2 x rows x 4 bytes) stay in L2
-#: (2 MiB at K = 4096); 1024 rows at K = 14336 (29 MiB) ran 4x slower per row than 256.
+#: (2 MiB at K = 4096); larger chunks spill them and ran several times slower per row
+#: (docs/performance.md, "Figures behind the code").
 PACKED_ROWS = 256
 #: The kernel paths, best first, and the CPU flags each needs (``/proc/cpuinfo`` names).
 PATH_FLAGS = {"packed": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx512f", "avx512bw", "f16c"),
@@ -123,8 +124,8 @@ def pack_weight(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _nan_codes(codes: torch.Tensor) -> bool:
     """E4M3FN's NaN codes (0x7F, 0xFF): the kernel's decoding would read them as 480. One scan in
-    the extension where it is loaded (the three torch ops it replaces cost ~60 us per call on the
-    activations at M = 16, K = 4096: 5 % of the call), else torch."""
+    the extension where it is loaded (the three torch ops it replaces were a visible share of a
+    decode-sized call: docs/performance.md, "Figures behind the code"), else torch."""
     mod = native.loaded()
     u8 = codes.contiguous().view(torch.uint8)
     if mod is not None:
