@@ -355,7 +355,7 @@ def _positional_counts(tree: ast.Module) -> list[tuple[str, int, int]]:
     The receiver of a method (the first parameter of a function in a class body that is not a
     ``staticmethod``) is not counted: the caller never writes it. A ``triton.jit`` kernel is
     skipped: its parameters are the compiled kernel's argument list (pointers, strides and
-    constexprs; Triton has no structures to group them), and the launches pass them by name.
+    constexprs, each specialised by Triton at launch): the GPU kernel's interface, not a Python API.
     """
     out: list[tuple[str, int, int]] = []
 
