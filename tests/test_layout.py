@@ -9,7 +9,7 @@
   files (``fp8ref/kernels/csrc/``).
 - No function takes more than ``MAX_POSITIONAL`` positional parameters (a method's receiver and a
   Triton kernel's launch arguments aside): beyond that a call site is a row of unnamed values.
-- Docstrings and comments hold no lab notebook: no CPU model (``CPU_NAME``) and no speed figure
+- Docstrings and comments (the C++ sources' too) hold no lab notebook: no CPU model (``CPU_NAME``) and no speed figure
   (``SPEED_FIGURE``); measurements of one machine go to docs/performance.md ("Figures behind the
   code"), and the code keeps the reason for its choice. ``NOTEBOOK_ALLOWED`` lists the few
   phrases that are facts, not measurements, each with its reason.
@@ -451,11 +451,30 @@ def _notebook_entries(rel: str, text: str) -> list[str]:
     return [m.group() for m in found if not any(a <= m.start() and m.end() <= b for a, b in spans)]
 
 
-@pytest.mark.parametrize("name", sorted(_modules()))
-def test_docstrings_and_comments_hold_no_lab_notebook(name):
-    path = _modules()[name]
+def _cpp_prose(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every block of consecutive ``//`` comment lines of a C++ file."""
+    out: list[tuple[int, str]] = []
+    block: list[str] = []
+    start = 0
+    for i, line in enumerate([*path.read_text().splitlines(), ""], 1):
+        if "//" in line:
+            start = start if block else i
+            block.append(" ".join(line.split("//", 1)[1].split()))
+        elif block:
+            out.append((start, " ".join(block)))
+            block = []
+    return out
+
+
+def _sources() -> list[Path]:
+    return sorted([*PKG.rglob("*.py"), *(p for p in PKG.rglob("*") if p.suffix in (".cpp", ".h", ".cu"))])
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: p.relative_to(PKG).as_posix())
+def test_docstrings_and_comments_hold_no_lab_notebook(path):
     rel = path.relative_to(ROOT).as_posix()
-    found = [f"{rel}:{line}: {hits}" for line, text in _prose(path) if (hits := _notebook_entries(rel, text))]
+    prose = _prose(path) if path.suffix == ".py" else _cpp_prose(path)
+    found = [f"{rel}:{line}: {hits}" for line, text in prose if (hits := _notebook_entries(rel, text))]
     assert not found, ("machine-specific measurements in docstrings or comments; move them to docs/performance.md "
                        "(\"Figures behind the code\": the figure, the CPU, the date) and keep the reason for the "
                        "choice here:\n" + "\n".join(found))
