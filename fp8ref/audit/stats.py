@@ -10,6 +10,7 @@ import torch
 
 from ..registry import Backend
 from ..spec import bounds
+from ..spec.compare import error_ratio
 from ..spec.quant import Quantized, expand_scale, saturation_threshold
 from ..spec.schemes import Granularity
 from .report import ErrorStats
@@ -163,7 +164,7 @@ def bound_check(acc: LayerAccumulator, x2, w, bias, y, *, qx: Quantized, qw: Qua
     y_true = xs.to(torch.float64) @ ws.to(torch.float64).T
     if bs is not None:
         y_true = y_true + bs.to(torch.float64)
-    ratio = (y[ix][:, iw].to(torch.float64) - y_true).abs() / bnd
+    ratio = error_ratio((y[ix][:, iw].to(torch.float64) - y_true).abs(), bnd)
     worst = float(ratio.max())
     acc.ratio_max = worst if math.isnan(worst) else max(acc.ratio_max, worst)
     acc.ratio_rows += ratio.numel()
