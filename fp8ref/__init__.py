@@ -10,8 +10,10 @@ else from fp8ref; tests/test_layout.py checks both.
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
 - ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``).
 - ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).
-- ``fp8ref.api``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, ``Fp8Linear`` and
-  ``quantize_model``, FP8 checkpoints; then this face, which re-exports the public API.
+- ``fp8ref.api``, ``fp8ref.ops``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, the
+  same as the custom operator ``torch.ops.fp8ref.linear`` (for ``torch.compile`` and
+  ``torch.export``), ``Fp8Linear`` and ``quantize_model``, FP8 checkpoints; then this face, which
+  re-exports the public API.
 - ``fp8ref.conformance``: the referee (contracts, Hypothesis search, reports).
 - ``fp8ref.peers``: adapters that put real third-party FP8 code (SGLang, vLLM, onnxruntime,
   torchao, compressed-tensors, jax, quanto, Model Optimizer) behind the backend API, and the
