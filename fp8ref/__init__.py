@@ -30,7 +30,7 @@ from .api import explain, linear, reference_linear
 from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
 from .nn import Fp8Linear, QuantizeSummary, quantize_model
 from .registry import Backend, BackendInfo, Case, backends, get_backend, register_backend, unregister_backend
-from .select import BackendUnavailableError, Decision, NoCompliantBackendError
+from .select import BackendUnavailableError, Decision, NoCompliantBackendError, choose_backend
 from .select import clear_cache as clear_selection_cache
 from .select import select as select_backend
 from .spec.bounds import (
@@ -158,6 +158,7 @@ __all__ = [
     "NoCompliantBackendError",
     "clear_selection_cache",
     "select_backend",
+    "choose_backend",
     "scaled_mm",
     "scaled_mm_exact",
 ]
