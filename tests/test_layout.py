@@ -86,6 +86,7 @@ LAYERS = [
     ("fp8ref.kernels",),
     ("fp8ref.select",),
     ("fp8ref.api",),
+    ("fp8ref.ops",),
     ("fp8ref.nn",),
     ("fp8ref.checkpoint",),
     ("fp8ref",),
