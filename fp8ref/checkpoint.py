@@ -191,13 +191,25 @@ def _check_layout(name: str, recipe: Recipe) -> None:
                          "e4m3fn per-channel weights with dynamic per-token e4m3fn activations")
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
+def _safetensors(what: str):
+    """The ``safetensors`` package (a core dependency), or an ImportError that says how to get it
+    (an environment installed before it was one, or with ``--no-deps``)."""
     try:
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    except SafetensorError as exc:  # e.g. a full disk: safetensors' message names no path
+        import safetensors
+        import safetensors.torch
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"{what} reads and writes .safetensors files and needs the safetensors package, "
+                                  "a dependency of fp8ref that this environment lacks: pip install "
+                                  "'safetensors>=0.4' (or reinstall fp8ref without --no-deps)",
+                                  name="safetensors") from exc
+    return safetensors
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    st = _safetensors("save_fp8_dynamic")
+    try:
+        atomic_write(path, lambda tmp: st.torch.save_file(tensors, tmp, metadata=metadata))
+    except st.SafetensorError as exc:  # e.g. a full disk: safetensors' message names no path
         raise OSError(f"cannot write the checkpoint {path}: {exc}") from exc
     except OSError as exc:
         raise type(exc)(exc.errno, f"cannot write the checkpoint {path}: {exc.strerror or exc}") from exc
