@@ -269,3 +269,77 @@ def test_every_source_directory_is_a_package():
     """A directory of .py files without __init__.py would hide its modules from the checks above."""
     loose = [p for p in PKG.rglob("*.py") if not (p.parent / "__init__.py").exists()]
     assert not loose, f"modules outside any package: {loose}"
+
+
+#: The most positional parameters a function of fp8ref takes (``self``/``cls`` not counted); more
+#: go keyword-only or into a small named structure. Triton kernels (``@triton.jit``) are exempt:
+#: their launch passes every argument positionally.
+MAX_POSITIONAL = 8
+#: Functions another engineer is restructuring while this rule lands (module:function -> why).
+POSITIONAL_PENDING: dict[str, str] = {
+    "fp8ref.api:_call": "api.py's dispatch gets a named structure (issue 33, h3)",
+    "fp8ref.api:_fallback": "api.py's dispatch gets a named structure (issue 33, h3)",
+}
+
+
+def _positional_counts(name: str):
+    for node in ast.walk(_tree(name)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if any("jit" in ast.unparse(d) for d in node.decorator_list):
+            continue
+        args = [*node.args.posonlyargs, *node.args.args]
+        if args and args[0].arg in ("self", "cls"):
+            args = args[1:]
+        yield node.name, len(args)
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_no_function_takes_more_than_eight_positional_parameters(name):
+    long = [f"{fn} ({n})" for fn, n in _positional_counts(name)
+            if n > MAX_POSITIONAL and f"{name}:{fn}" not in POSITIONAL_PENDING]
+    assert not long, f"{name}: more than {MAX_POSITIONAL} positional parameters: {long}"
+
+
+def test_positional_exceptions_are_still_needed():
+    for key in POSITIONAL_PENDING:
+        mod, fn = key.split(":")
+        if mod in _modules():
+            assert any(f == fn and n > MAX_POSITIONAL for f, n in _positional_counts(mod)), (
+                f"{key} takes {MAX_POSITIONAL} or fewer now: drop it from POSITIONAL_PENDING")
+
+
+def _backend_class() -> ast.ClassDef:
+    return next(n for n in _tree("fp8ref.registry").body if isinstance(n, ast.ClassDef) and n.name == "Backend")
+
+
+def _declared_backend_attributes() -> tuple[set[str], set[str]]:
+    """(attributes, methods) that ``fp8ref.registry.Backend`` declares; a property is an attribute."""
+    attrs, methods = set(), set()
+    for node in _backend_class().body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            attrs.add(node.target.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            is_property = any(ast.unparse(d) == "property" for d in node.decorator_list)
+            (attrs if is_property else methods).add(node.name)
+    return attrs, methods
+
+
+def test_backend_declares_what_is_read_from_it():
+    """What the driver, selector, peers, bench and reports read from a backend is declared on ``Backend``
+    with a default and an entry in its docstring, and read directly: ``getattr(x, "<declared name>",
+    default)`` would hide a renamed attribute behind the default."""
+    attrs, methods = _declared_backend_attributes()
+    assert {"conformance_max_elems", "conformance_max_examples", "time_budget_s", "bench_skip_reason",
+            "version"} <= attrs
+    doc = ast.get_docstring(_backend_class()) or ""
+    undocumented = sorted(n for n in attrs if not any(line.strip().startswith(f"{n} :") for line in doc.splitlines()))
+    assert not undocumented, f"Backend attributes without an entry in its docstring: {undocumented}"
+    guessed = []
+    for name in _modules():
+        for node in ast.walk(_tree(name)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in attrs | methods):
+                guessed.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not guessed, f"getattr/hasattr of attributes Backend declares: {guessed}"
