@@ -143,9 +143,12 @@ def _sample(n: int, k: int) -> torch.Tensor:
     return torch.linspace(0, n - 1, min(k, n)).round().long().unique()
 
 
-def bound_check(acc: LayerAccumulator, x2, w, bias, y, qx: Quantized, qw: Quantized, b: Backend, *,
-                out_dtype: torch.dtype, rows: int, cols: int) -> None:
+def bound_check(acc: LayerAccumulator, x2, w, bias, y, *, qx: Quantized, qw: Quantized, b: Backend, od,
+                rows: int, cols: int) -> None:
     """Worst |y - y_true| / linear_error_bound on a rows x cols sample of the output.
+
+    The layer's call (``x2``, ``w``, ``bias``, ``y``) comes by position, its quantized operands,
+    the backend that computed ``y``, the output dtype ``od`` and the sample's size by name.
 
     The bound of element (m, n) depends only on row m of x and row n of w (and their scales),
     so it is computed on the sampled rows of both operands, each kept with its own scales
@@ -156,7 +159,7 @@ def bound_check(acc: LayerAccumulator, x2, w, bias, y, qx: Quantized, qw: Quanti
     qws, iw = _take_rows(qw, _sample(w.shape[0], cols))
     xs, ws = x2[ix], w[iw]
     bs = None if bias is None else bias[iw]
-    bnd = bounds.linear_error_bound(xs, ws, qxs, qws, bs, out_dtype=out_dtype, accumulation=b.accumulation,
+    bnd = bounds.linear_error_bound(xs, ws, qxs, qws, bs, out_dtype=od, accumulation=b.accumulation,
                                     output_roundings=b.output_roundings)
     y_true = xs.to(torch.float64) @ ws.to(torch.float64).T
     if bs is not None:

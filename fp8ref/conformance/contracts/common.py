@@ -112,8 +112,9 @@ _BACKEND_THREADS: list[int | None] = [None]
 def reference_threads():
     """Run the reference and the bounds on one thread; the backend's calls (``backend_threads``)
     get the process's thread count back. The reference's many small float64 GEMMs gain nothing
-    from threads and lose much to waking them (on a loaded 2-core machine a ci run took 8x the
-    CPU time with OMP_NUM_THREADS=2); the backend is certified as users run it."""
+    from threads and lose much to waking them (a ci run took several times the CPU time with two
+    threads: docs/performance.md, "Figures behind the code"); the backend is certified as users
+    run it."""
     outer = _BACKEND_THREADS[0]
     n = torch.get_num_threads() if outer is None else outer
     _BACKEND_THREADS[0] = n
