@@ -1,14 +1,16 @@
 """fp8ref: a reference for FP8 W8A8 inference, and a referee for the kernels that compute it.
 
 Where things live, from the bottom up. At import time a module imports only from the entries
-above its own (a function may read this face, ``fp8ref``, lazily), and the spec imports nothing
-else from fp8ref; tests/test_layout.py checks both.
+above its own (a function may read this face, ``fp8ref``, lazily), the imports form no cycle even
+counting those inside functions, and the spec imports nothing else from fp8ref;
+tests/test_layout.py checks all three.
 
 - ``fp8ref.spec``: the spec (formats, schemes, the reference quantizer, the exact scaled GEMM,
   the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
   helpers ``_machine`` (CPU detection), ``_io`` (atomic writes) and ``_progress`` (progress bars).
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
-- ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``).
+- ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``, built by
+  ``python -m fp8ref.kernels.build``).
 - ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).
 - ``fp8ref.api``, ``fp8ref.ops``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, the
   same as the custom operator ``torch.ops.fp8ref.linear`` (for ``torch.compile`` and
