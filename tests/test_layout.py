@@ -45,13 +45,6 @@ DOC_PENDING: dict[str, str] = {}
 
 #: Most positional parameters a function may take; more go keyword-only or into a named structure.
 MAX_POSITIONAL = 8
-#: Functions that other engineers are reshaping while this rule lands (issue 33: ``api.py``'s
-#: dispatch gets a small named structure, the driver's search its run state in attributes); the
-#: owner removes the entry with the refactoring, and a test below fails once an entry is stale.
-POSITIONAL_PENDING = {
-    "fp8ref/api.py::_call",  # TODO(issue 33, h3): the dispatch in a named structure
-    "fp8ref/api.py::_fallback",  # TODO(issue 33, h3)
-}
 
 #: CPU models and machine descriptions ("a 2-vCPU ..."): in a docstring or a comment they mark a
 #: measurement of one machine.
@@ -384,18 +377,10 @@ def test_no_function_takes_too_many_positional_parameters():
     for name, path in _modules().items():
         rel = path.relative_to(ROOT).as_posix()
         for fn, n, line in _positional_counts(_tree(name)):
-            if n > MAX_POSITIONAL and f"{rel}::{fn}" not in POSITIONAL_PENDING:
+            if n > MAX_POSITIONAL:
                 over.append(f"{rel}:{line} {fn} takes {n} positional parameters")
     assert not over, (f"more than {MAX_POSITIONAL} positional parameters (make the rest keyword-only, "
                       "or pass a named structure):\n" + "\n".join(over))
-
-
-def test_positional_pending_entries_are_still_needed():
-    for entry in POSITIONAL_PENDING:
-        rel, fn = entry.split("::")
-        name = _name(ROOT / rel)
-        counts = {f: n for f, n, _ in _positional_counts(_tree(name))} if name in _modules() else {}
-        assert counts.get(fn, 0) > MAX_POSITIONAL, f"{entry} is within the rule now: drop it from POSITIONAL_PENDING"
 
 
 def test_the_positional_count_sees_what_a_caller_writes():
