@@ -103,6 +103,28 @@ class Backend:
         then leaves those scans to the backend after a case's first call (they cost a pass over
         ``x`` per call); otherwise it scans before every call. The selector's probe checks the
         claim. Default False.
+    precision : PrecisionClass
+        Derived, not declared: the smallest precision class that holds ``accumulation`` and
+        ``output_roundings`` (``fp8ref.spec.bounds.precision_class``).
+    conformance_max_elems : int or None
+        For a backend that pays per element (an interpreter): the most elements per operand the
+        conformance suite gives it; it then also gets fewer rows, the secondary contracts on every
+        fourth sweep item and the profile's ``slow_examples`` search examples (the report says so).
+        A count, never a time, so a derandomized profile checks the same examples on every machine.
+        Default None: the profile's own limits.
+    conformance_max_examples : int or None
+        The most search examples per contract the conformance suite draws for this backend, when
+        fewer than the profile's (pinned examples and the corner sweep always run). Default None.
+    time_budget_s : float or None
+        A longer per-contract search budget than the profile's, for a backend that compiles per
+        shape (jax's XLA jit), so its pinned examples and sweep run; reports say so. Default None.
+    bench_skip_reason : str or None
+        Why ``fp8ref bench`` leaves this backend out by default (its times would say nothing about
+        the kernel, e.g. under an interpreter). Default None: benchmarked.
+    version : str or None
+        What the selector's cache key holds of this backend's code beyond its class and
+        declaration (a digest of native sources, a library's version): a decision timed on other
+        code is not reused. Default None: nothing beyond the class.
     """
 
     name: str = ""
@@ -110,6 +132,11 @@ class Backend:
     output_roundings: int = 1
     ops: tuple[str, ...] = OPS
     rejects_non_finite: bool = False
+    conformance_max_elems: int | None = None
+    conformance_max_examples: int | None = None
+    time_budget_s: float | None = None
+    bench_skip_reason: str | None = None
+    version: str | None = None
 
     @property
     def precision(self) -> PrecisionClass:
@@ -278,7 +305,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     if not isinstance(backend.accumulation, Accumulation):
         raise TypeError(f"backend {backend.name!r}: accumulation must be an fp8ref.Accumulation")
     precision_class(backend.accumulation, backend.output_roundings)  # validates output_roundings
-    ops = getattr(backend, "ops", None)
+    ops = backend.ops
     if not isinstance(ops, (tuple, list, frozenset, set)) or not ops or not set(ops) <= set(OPS):
         raise ValueError(f"backend {backend.name!r}: ops must be a non-empty collection of {OPS}, got {ops!r}")
     if backend.name in _REGISTRY and not replace:
