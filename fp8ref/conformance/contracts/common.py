@@ -7,7 +7,6 @@ modules (``quantize``, ``scaled_mm``, ``linear``) import it.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 
 from ...registry import Backend, Case, backend_quantize, decline_reason
 from ...spec import quant
+from ...spec.compare import compare, compare_bits
 from ...spec.quant import Quantized
 from ..profiles import Profile
 from ..scope import Scope
@@ -112,8 +112,9 @@ _BACKEND_THREADS: list[int | None] = [None]
 def reference_threads():
     """Run the reference and the bounds on one thread; the backend's calls (``backend_threads``)
     get the process's thread count back. The reference's many small float64 GEMMs gain nothing
-    from threads and lose much to waking them (on a loaded 2-core machine a ci run took 8x the
-    CPU time with OMP_NUM_THREADS=2); the backend is certified as users run it."""
+    from threads and lose much to waking them (a ci run took several times the CPU time with two
+    threads: docs/performance.md, "Figures behind the code"); the backend is certified as users
+    run it."""
     outer = _BACKEND_THREADS[0]
     n = torch.get_num_threads() if outer is None else outer
     _BACKEND_THREADS[0] = n
@@ -174,40 +175,27 @@ def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: f
     return y
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32,
-                                                                       8: torch.int64}[t.element_size()])
-
-
 def _same_bits(u: torch.Tensor, v: torch.Tensor) -> bool:
-    return u.shape == v.shape and u.dtype == v.dtype and torch.equal(_bits(u), _bits(v))
+    return compare_bits("", u, v).ok
 
 
 def _first_diff(u: torch.Tensor, v: torch.Tensor) -> str:
-    d = (_bits(u) != _bits(v)).nonzero()
-    if not len(d):
+    """Where ``u`` and ``v`` first differ in their bits (``fp8ref.spec.compare.compare_bits``)."""
+    verdict = compare_bits("", u, v)
+    w = verdict.worst
+    if w is None:
         return "shapes or dtypes differ"
-    idx = tuple(int(i) for i in d[0])
-    return f"first difference at {idx}: {u[idx].item()!r} vs {v[idx].item()!r} ({len(d)} elements differ)"
+    return f"first difference at {w.index}: {w.value!r} vs {w.reference!r} ({verdict.n_bad} elements differ)"
 
 
-def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> float:
-    """Raise unless |value - ref| <= bound everywhere (NaN fails); return max err/bound."""
-    v64, r64 = value.to(torch.float64), ref.to(torch.float64)
-    err = (v64 - r64).abs()
-    ok = err <= bound  # False wherever err is NaN
-    ratio = torch.where(bound > 0, err / bound, torch.where(err == 0, 0.0, math.inf))
-    ratio = torch.where(torch.isnan(err), math.inf, ratio)
-    worst = float(ratio.max()) if ratio.numel() else 0.0
-    if not bool(ok.all()):
-        idx = tuple(int(i) for i in torch.unravel_index(torch.argmax(ratio), ratio.shape))
-        n_bad = int((~ok).sum())
-        raise ContractViolation(
-            f"{what}: {n_bad} of {ok.numel()} elements outside the bound; worst at {idx}: got {v64[idx].item()!r}, "
-            f"reference {r64[idx].item()!r}, |error| {err[idx].item():.6g} > bound {bound[idx].item():.6g} "
-            f"(ratio {worst:.3g})")
-    return worst
+def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, *,
+                  dtype: torch.dtype | None = None) -> float:
+    """``fp8ref.spec.compare``: raise ``ContractViolation`` with its message unless every element is
+    within the bound (and, given ``dtype``, of that dtype); return the worst error/bound ratio."""
+    verdict = compare(what, value, ref, bound, dtype=dtype)
+    if not verdict.ok:
+        raise ContractViolation(verdict.message())
+    return verdict.ratio
 
 
 def _neg(q: Quantized) -> Quantized:
