@@ -130,3 +130,16 @@ def test_layer_fast_path_errors_and_gradients():
     y = q(xg)
     with pytest.raises(RuntimeError, match="fp8ref computes no gradients"):
         y.sum().backward()
+
+
+@torch.no_grad()
+def test_layer_fast_path_leaves_content_checks_to_linear_and_keeps_candidates():
+    q = _layer()
+    x = torch.randn(2, 40, dtype=torch.bfloat16)
+    q.weight_check = "content"  # fp8ref.linear compares the weight's bytes on every call: no binding
+    q(x)
+    assert not q._bound
+    q.weight_check = None
+    q.candidates = ("reference",)
+    assert torch.equal(q(x), fp8ref.linear(x, q.quantized_weight(), q.bias, backend="reference"))
+    assert [b.backend.name for b in q._bound.values()] == ["reference"]

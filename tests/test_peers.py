@@ -161,3 +161,29 @@ def test_every_peer_ledger_entry_names_an_existing_reproduction():
         assert f"def {func}(" in (ROOT / path).read_text(), e["id"]
         if e.get("property"):
             assert e["backend"] in peer_names() and e["upstream"] == (e["link"] or ""), e["id"]
+
+
+@pytest.mark.skipif(not _installed("sglang"), reason="needs sglang (docs/certified.md, 'Installing the peers')")
+def test_sglang_online_w8a8_pre_fix_zero_weights_would_be_caught():
+    """sglang#4434: an fp16 checkpoint loaded under ``--quantization w8a8_fp8`` came out with all-zero
+    FP8 weights. The installed SGLang's online path (``sglang-online-w8a8``) passes ``quantize.codes``;
+    the same adapter with that symptom put back (zero codes for fp16 weights, scales untouched)
+    fails it with a counterexample."""
+    real = get_peer("sglang-online-w8a8")
+    if real.available() is not None:
+        pytest.skip(real.available())
+
+    class PreFix4434(type(real)):
+        name = "sglang-online-w8a8-pre-4434"
+
+        def quantize(self, x, scheme, scale=None):
+            q = super().quantize(x, scheme, scale)
+            if x.dtype == torch.float16:
+                return Quantized(torch.zeros_like(q.data), q.scale, scheme)
+            return q
+
+    ok = certify_peer(real, "ci", seed=0, contracts=["quantize.codes"], measure=False)
+    assert ok.report.result("quantize.codes").status == "pass"
+    bad = certify_peer(PreFix4434(), "ci", seed=0, contracts=["quantize.codes"], measure=False)
+    codes = bad.report.result("quantize.codes")
+    assert codes.status == "fail" and "fp16" in codes.counterexample, codes.message

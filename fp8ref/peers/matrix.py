@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Sequence
 
+from ..conformance.report import ERROR, FAIL, NA, NOT_CLAIMED, XFAIL, XPASS
 from .certify import Certificate, fmt_pct
 
 __all__ = ["render", "verdicts", "recorded_verdicts", "compare"]
@@ -33,7 +34,9 @@ Regenerate this page with `fp8ref certify` (about 30 minutes on 2 cores: the Tri
 the interpreter); `fp8ref certify --peer NAME --only CONTRACT` reproduces one result;
 `tests/test_peers.py` recomputes the onnxruntime and torchao rows in CI and fails when their verdicts
 no longer match this page."""
-_FAILING = ("fail", "error", "xpass")
+_FAILING = (FAIL, ERROR, XPASS)
+#: Contracts that did not run for the peer: an op it does not declare, an info contract with no example.
+_NOT_RUN = (NA, NOT_CLAIMED)
 
 
 def _md(s: str) -> str:
@@ -51,18 +54,18 @@ def _verdict(cert: Certificate) -> str:
     rep = cert.report
     if not rep.available:
         return "not run here"
-    ran = sum(r.examples for r in rep.results if r.status not in ("n/a",))
+    ran = sum(r.examples for r in rep.results if r.status not in _NOT_RUN)
     if ran == 0:
         return "**no examples ran** (not certified)"
     if any(r.status in _FAILING for r in rep.results):
         return "**FAILED**"
-    if any(r.status == "xfail" for r in rep.results):
+    if any(r.status == XFAIL for r in rep.results):
         return "**FAILED** (known, ledger)"
     return "certified"
 
 
 def _failing(cert: Certificate) -> str:
-    bad = [r for r in cert.report.results if r.status in _FAILING + ("xfail",)]
+    bad = [r for r in cert.report.results if r.status in _FAILING + (XFAIL,)]
     return ", ".join(f"{r.contract} ({r.status})" for r in bad) or "-"
 
 
@@ -76,7 +79,7 @@ def _exact(cert: Certificate) -> str:
 
 def _coverage(cert: Certificate) -> str:
     res = cert.report.results
-    run = [r for r in res if r.status != "n/a"]
+    run = [r for r in res if r.status not in _NOT_RUN]
     return f"{len(run)}/{len(res)} contracts, {sum(r.examples for r in res)} examples" if res else ""
 
 
