@@ -100,6 +100,13 @@ def test_demo_explains_every_column():
         assert f"\n  {column}" in "\n" + _DEMO_COLUMNS, column
 
 
+def test_demo_explains_every_recipe_in_one_line():
+    from fp8ref.cli.spec import RECIPE_LINES
+
+    assert set(RECIPE_LINES) == set(fp8ref.RECIPES)
+    assert all("\n" not in line and len(line) < 110 for line in RECIPE_LINES.values())
+
+
 def test_pytest_properties_runs_without_pytest_benchmark():
     """The repository's pytest settings name no option of an optional plug-in (-p no:benchmark
     stands for an environment without pytest-benchmark)."""
