@@ -28,6 +28,7 @@ from .adaptation import Adaptation, adapted
 from .contracts import CONTRACTS, Contract, Declined, get_contract, reference_threads
 from .coverage import Coverage
 from .probe import accumulator_bits
+from .problems import QuantizeProblem
 from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
 from .report import (
     ERROR,
@@ -345,7 +346,7 @@ def _in_scope(problem, scope: Scope) -> bool:
     """Whether a pinned example lies within a narrowed claim (always, for an un-narrowed one)."""
     if not scope.narrowed:
         return True
-    if hasattr(problem, "scheme"):
+    if isinstance(problem, QuantizeProblem):
         return problem.scheme in scope.schemes
     return problem.recipe in scope.recipes
 
