@@ -3,12 +3,12 @@
 tinygrad ships no FP8 quantizer, only the dtypes and their conversion; as for ONNX's QuantizeLinear,
 the scale is fp8ref's dynamic scale and what is certified is tinygrad's ``(x / s).cast(fp8)``:
 tinygrad's division, which it lowers to ``x * reciprocal(s)`` (two fp32 roundings: 26 % of fp32
-quotients differ from ``x / s`` in the last bit, measured on 5,000 normal pairs), and its float -> FP8
-conversion (``tinygrad.dtype.float_to_fp8``: round to nearest even, saturating at the format's max). It runs on tinygrad's ``PYTHON`` device, the
-emulator that executes tinygrad's own ops in Python: the ``CPU`` device compiles C with clang, which
-this machine does not have (``FileNotFoundError: ... 'clang'``). Input enters as fp32 (exact for
-bf16/fp16), codes leave as fp32 values and are cast back to FP8 by torch (exact: every FP8 value is
-an fp32).
+quotients differ from ``x / s`` in the last bit, measured on 5,000 normal pairs), and its float ->
+FP8 conversion (``tinygrad.dtype.float_to_fp8``: round to nearest even, saturating at the format's
+max). It runs on tinygrad's ``PYTHON`` device, the emulator that executes tinygrad's own ops in
+Python: the ``CPU`` device compiles C with clang, which this machine does not have
+(``FileNotFoundError: ... 'clang'``). Input enters as fp32 (exact for bf16/fp16), codes leave as
+fp32 values and are cast back to FP8 by torch (exact: every FP8 value is an fp32).
 """
 
 from __future__ import annotations
