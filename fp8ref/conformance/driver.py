@@ -269,7 +269,11 @@ def _search(backend, contract, prof, seed, max_examples, scope, state, cov, res,
     n_sweep = state["n"]
     t_search = time.perf_counter()
 
-    @settings(hypothesis_settings(prof, max_examples), verbosity=Verbosity.quiet)
+    n = prof.max_examples if max_examples is None else max_examples
+    if contract.search_examples is not None:
+        n = min(n, contract.search_examples)
+
+    @settings(hypothesis_settings(prof, n), verbosity=Verbosity.quiet)
     @hseed(seed)
     @given(contract.strategy(prof, scope))
     def run(problem):
