@@ -22,6 +22,7 @@ import torch
 from .fenv import flushing, ieee_subnormals
 from .gemm import k_segments, scale_column, scaled_mm_exact
 from .quant import Quantized, expand_scale
+from .schemes import QuantScheme
 
 __all__ = [
     "U_FP64",
@@ -32,6 +33,7 @@ __all__ = [
     "precision_class",
     "unit_roundoff",
     "quantization_error_bound",
+    "scale_error_bound",
     "reference_gemm_error_bound",
     "gemm_error_bound",
     "linear_error_bound",
@@ -168,6 +170,38 @@ def precision_class(accumulation: Accumulation, output_roundings: int) -> Precis
     if u <= U_FP32 and accumulation.promote_every is None and accumulation.operand_dtype is None:
         return PrecisionClass.STRICT if output_roundings == 1 else PrecisionClass.STANDARD
     return PrecisionClass.FAST
+
+
+def scale_error_bound(reference_scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Elementwise bound on |s - s_ref| for a conforming quantizer's stored scale ``s``.
+
+    ``reference_scale`` is the spec's stored scale (``fp8ref.quantize``) for the same input: the
+    bound is computed from it, never from the scale under test.
+
+    Notes
+    -----
+    A dynamic scale is the quotient ``max(amax, floor) / qmax`` stored in ``scale_dtype``; the spec
+    rounds it correctly (once), a conforming quantizer may round it *faithfully* (to either
+    neighbour of the exact quotient on the grid of ``scale_dtype``), as ``amax * (1/qmax)`` or a
+    quotient computed in a narrower dtype does. A faithful rounding lies within one grid step of
+    the correctly rounded one, so with ``ulp(s) = 2^(e - p)`` for ``s = m 2^e``, ``m in [1/2, 1)``,
+    and ``p`` the significand bits of ``scale_dtype``::
+
+        |s - s_ref| <= ulp(s_ref)                     dynamic scales
+        s = s_ref                                     power-of-two scales (pow2_scale) and static
+                                                      schemes (the caller's scale is returned)
+
+    One grid step is the finest tolerance that admits every faithful rounding (the grid leaves
+    nothing between 0 and one step) and the coarsest that still rejects a scale off by a rounding
+    the spec does not allow (docs/spec.md §5.1). Power-of-two scales are exact because the
+    quotient is rounded *up* to a power of two, and neighbouring powers of two differ by a factor
+    of 2, not by a rounding.
+    """
+    if not scheme.dynamic or scheme.pow2_scale:
+        return torch.zeros_like(reference_scale, dtype=torch.float64)
+    p = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[scheme.scale_dtype]
+    _, e = torch.frexp(reference_scale.to(torch.float64))
+    return torch.exp2(e.to(torch.float64) - p)
 
 
 def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
