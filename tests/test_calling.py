@@ -44,7 +44,7 @@ def test_storage_overlap():
 def test_updates_change_values_in_place(how):
     t = torch.tensor([[1.0, -2.0, 3.0]])
     obj, version = id(t), t._version
-    calling._update(t, "x", how)
+    calling.tensors._update(t, "x", how)
     assert id(t) == obj and not torch.equal(t, torch.tensor([[1.0, -2.0, 3.0]]))
     if how == "numpy":
         assert t._version == version  # the case a version-keyed cache misses
@@ -84,7 +84,7 @@ def test_size_problems():
 
 def test_offset_path_at_a_small_offset(monkeypatch):
     """The ``offset`` size problem runs the op's bound (BIG_OFFSET lowered so it fits a unit test)."""
-    monkeypatch.setattr(calling, "BIG_OFFSET", 2**16)
+    monkeypatch.setattr(calling.shapes, "BIG_OFFSET", 2**16)
     g = fst.GemmProblem(3, 5, 40, fst.RECIPES["w8a8_fp8"], torch.bfloat16, fst.CodeSpec("bits", 1, -9, False),
                         fst.CodeSpec("bits", 2, -9, False))
     sp = calling.SizeProblem(g, "offset")
