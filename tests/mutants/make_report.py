@@ -79,8 +79,8 @@ def calling_section(seeds: int) -> list[str]:
            "*caught by* is the first failing contract of `check(mutant, \"ci\", seed=0, fail_fast=True, "
            "contracts=CALLING_CONTRACT_NAMES)` (shrinking off), with the examples run until then and the CPU "
            f"seconds; *detected* is the fraction of seeds 0..{seeds - 1} on which the contracts of the mutant's own "
-           "dimension alone reject it (`tests/mutants/test_mutants.py` asserts 100 % on seeds 0, 1, 2). The value "
-           "contracts pass these mutants (their values are the base's).", "",
+           "dimension alone reject it (`tests/mutants/test_mutants.py` asserts 100 % on seeds 0, 1, 2). On fresh, "
+           "contiguous, finite operands called from one thread their values are the base's.", "",
            "| dimension | mutant | bug | caught by | examples | CPU s | detected |", "|---|---|---|---|---|---|---|"]
     for cls in CALLING_MUTANTS:
         first, dt = _timed(lambda c=cls: check(c(), fast, seed=0, fail_fast=True, contracts=CALLING_CONTRACT_NAMES))
