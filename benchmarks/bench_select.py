@@ -1,5 +1,6 @@
-"""Selector benchmarks: dispatch overhead of ``fp8ref.linear(backend="auto")`` after warm-up, and
-the time of a first selection for a new shape bucket.
+"""Selector benchmarks: dispatch overhead of ``fp8ref.linear(backend="auto")`` after warm-up, the
+per-call cost of ``weight_check="content"``, and the time of a first selection for a new shape
+bucket.
 
 Run: ``python benchmarks/bench_select.py [--quick]`` (prints a table), or under pytest-benchmark
 (``pytest benchmarks/bench_select.py --benchmark-enable``).
@@ -88,6 +89,24 @@ def dispatch_overhead(M: int = 1, N: int = 256, K: int = 256, n: int = 2000, rep
         sel.clear_cache()
 
 
+def weight_check_cost(N: int, K: int, M: int = 1, backend: str = "cpu-fp8", n: int = 20, repeats: int = 5) -> dict:
+    """Per-call time of ``linear(x, w, backend=backend)`` under ``weight_check="version"`` and
+    ``"content"`` (the bytes of the weight compared with a kept copy on every call), for a bf16
+    float weight and for a ``Quantized`` one (what ``Fp8Linear`` passes: 1-byte codes)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=g, dtype=torch.bfloat16)
+    wf = torch.randn(N, K, generator=g, dtype=torch.bfloat16)
+    wq = fp8ref.quantize(wf, fp8ref.W8A8_FP8.weight)
+    out = {}
+    for kind, w in (("bf16", wf), ("fp8", wq)):
+        for mode in ("version", "content"):
+            linear(x, w, backend=backend, weight_check=mode)  # quantize/prepare (and keep the copy) once
+            out[f"{kind}_{mode}_us"] = _best_per_call(lambda w=w, mode=mode: linear(x, w, backend=backend,
+                                                                                      weight_check=mode),
+                                                      n, repeats) * 1e6
+    return out
+
+
 def first_selection(M: int, N: int, K: int) -> tuple[float, sel.Decision]:
     """Wall time of a selection for a new bucket (probe + timing, nothing cached)."""
     sel.clear_cache()
@@ -136,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     res = dispatch_overhead()
     print(f"dispatch: chosen={res['chosen']}  direct {res['direct_us']:.2f} us  auto {res['auto_us']:.2f} us  "
           f"overhead {res['overhead_us']:.2f} us per call")
+    for N, K in [(256, 256), (1024, 1024)] if args.quick else [(256, 256), (1024, 4096), (4096, 4096)]:
+        c = weight_check_cost(N, K)
+        print(f"weight_check at M=1 N={N} K={K} (cpu-fp8): " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()))
     shapes = [(16, 512, 256)] if args.quick else [(1, 4096, 4096), (16, 4096, 4096), (128, 14336, 4096),
                                                   (1024, 4096, 14336)]
     for M, N, K in shapes:

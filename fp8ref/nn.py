@@ -9,13 +9,15 @@ and ``weight_scale``, the compressed-tensors names), keeps the bias as it was, a
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .api import check_codes, check_finite, linear, tensor_version
+from .api import linear, tensor_version
 from .ops import linear_op, recipe_key
+from .spec.checks import check_codes, check_dense, check_finite
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
@@ -35,6 +37,12 @@ class Fp8Linear(nn.Module):
         ``"auto"`` or a backend name (see ``fp8ref.linear``).
     precision : str
         Required precision class, default ``"standard"``.
+    candidates : sequence of str, optional
+        The backends ``"auto"`` may choose among (see ``fp8ref.linear``).
+    weight_check : {"version", "content"}, optional
+        How a change to the ``weight``/``weight_scale`` buffers is noticed (see ``fp8ref.linear``):
+        ``"content"`` also sees writes through ``.data`` and numpy views, at a read of the codes
+        per call.
     out_dtype : torch.dtype, optional
         Output dtype (default: the input's).
     dtype : torch.dtype
@@ -59,11 +67,14 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
-                 out_dtype: torch.dtype | None = None, device=None, dtype: torch.dtype = torch.float32):
+                 out_dtype: torch.dtype | None = None, device=None, dtype: torch.dtype = torch.float32,
+                 candidates: Sequence[str] | None = None, weight_check: str | None = None):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.recipe = get_recipe(recipe)
         self.backend, self.precision, self.out_dtype = backend, precision, out_dtype
+        self.candidates = None if candidates is None else tuple(candidates)
+        self.weight_check = weight_check
         w = self.recipe.weight
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=w.format.torch_dtype,
                                                    device=device))
@@ -76,7 +87,9 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = W8A8_FP8, backend: str = "auto",
-                    precision: str = "standard", out_dtype: torch.dtype | None = None) -> Fp8Linear:
+                    precision: str = "standard", out_dtype: torch.dtype | None = None, *,
+                    candidates: Sequence[str] | None = None,
+                    weight_check: str | None = None) -> Fp8Linear:
         """Quantize an ``nn.Linear``'s weight (reference quantizer, once) into a new ``Fp8Linear``.
 
         Examples
@@ -90,11 +103,14 @@ class Fp8Linear(nn.Module):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
         recipe = get_recipe(recipe)
         w = linear.weight.detach()
+        check_dense(w, "linear.weight")  # a meta model has no values to quantize
         check_float_input(w, "linear.weight")
         if linear.bias is not None:
+            check_dense(linear.bias, "linear.bias")
             check_finite(linear.bias.detach(), "linear.bias")
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
-                  backend=backend, precision=precision, out_dtype=out_dtype, device=w.device, dtype=w.dtype)
+                  backend=backend, precision=precision, out_dtype=out_dtype, device=w.device, dtype=w.dtype,
+                  candidates=candidates, weight_check=weight_check)
         with torch.no_grad():
             q = quantize(w, recipe.weight)
             mod.weight.copy_(q.data)
@@ -106,7 +122,8 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_quantized(cls, qw: Quantized, bias: torch.Tensor | None = None, *, recipe: Recipe | str = W8A8_FP8,
                        backend: str = "auto", precision: str = "standard",
-                       out_dtype: torch.dtype | None = None) -> Fp8Linear:
+                       out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
+                       weight_check: str | None = None) -> Fp8Linear:
         """Wrap an already quantized weight (e.g. read from a checkpoint); its codes must be finite
         and its scales finite and > 0, a bias ``[N]`` float and finite (``ValueError`` otherwise)."""
         recipe = get_recipe(recipe)
@@ -115,6 +132,8 @@ class Fp8Linear(nn.Module):
         if qw.scheme != recipe.weight:
             raise ValueError(f"weight quantized as {qw.scheme.short_str()}, recipe {recipe.name} expects "
                              f"{recipe.weight.short_str()}")
+        check_dense(qw.data, "qw.data")
+        check_dense(qw.scale, "qw.scale")
         check_codes(qw, "qw")
         N, K = qw.data.shape
         if bias is not None:
@@ -125,7 +144,8 @@ class Fp8Linear(nn.Module):
             check_finite(bias, "bias")
         dtype = bias.dtype if bias is not None else torch.float32
         mod = cls(K, N, bias is not None, recipe=recipe, backend=backend, precision=precision,
-                  out_dtype=out_dtype, device=qw.data.device, dtype=dtype)
+                  out_dtype=out_dtype, device=qw.data.device, dtype=dtype, candidates=candidates,
+                  weight_check=weight_check)
         with torch.no_grad():
             mod.weight.copy_(qw.data)
             mod.weight_scale.copy_(qw.scale)
@@ -147,7 +167,8 @@ class Fp8Linear(nn.Module):
             return linear_op(x, self.weight, self.weight_scale, self.bias, recipe_key(self.recipe), self.backend,
                              self.precision, self.out_dtype)
         return linear(x, self.quantized_weight(), self.bias, recipe=self.recipe, backend=self.backend,
-                      precision=self.precision, out_dtype=self.out_dtype)
+                      precision=self.precision, out_dtype=self.out_dtype, candidates=self.candidates,
+                      weight_check=self.weight_check)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.quantized_weight().dequantize(dtype)
@@ -193,7 +214,9 @@ def _skipped(name: str, skip: tuple[str, ...]) -> bool:
 
 
 def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tuple[str, ...] | list[str] = ("lm_head",),
-                   backend: str = "auto", precision: str = "standard") -> QuantizeSummary:
+                   backend: str = "auto", precision: str = "standard", *,
+                   candidates: Sequence[str] | None = None,
+                   weight_check: str | None = None) -> QuantizeSummary:
     """Swap every ``nn.Linear`` of ``model`` for an ``Fp8Linear``, in place (weights quantized once).
 
     All or nothing: every layer is quantized first, and the model is changed only when all of
@@ -210,6 +233,8 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
         ``"model.lm_head"``) or an ``fnmatch`` pattern (``"*.gate"``).
     backend, precision : str
         Passed to every ``Fp8Linear``.
+    candidates, weight_check : optional
+        Passed to every ``Fp8Linear`` (see ``fp8ref.linear``).
 
     Returns
     -------
@@ -248,7 +273,8 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
             summary.skipped.append(name)
             continue
         try:
-            new[name] = Fp8Linear.from_linear(mod, recipe=recipe, backend=backend, precision=precision)
+            new[name] = Fp8Linear.from_linear(mod, recipe=recipe, backend=backend, precision=precision,
+                                              candidates=candidates, weight_check=weight_check)
         except (TypeError, ValueError) as exc:
             kind = TypeError if isinstance(exc, TypeError) else ValueError
             raise kind(f"quantize_model: layer {name!r} cannot be quantized ({exc}); the model is left "

@@ -69,7 +69,8 @@ def test_select_table_prints_whole_reasons_and_decision_repr_is_short():
 
 def test_help_of_linear_shows_a_short_default_recipe():
     sig = str(inspect.signature(fp8ref.linear))
-    assert len(sig) < 300, sig
+    # The default recipe's repr once ran to thousands of characters (every format field).
+    assert len(repr(fp8ref.W8A8_FP8)) < 80 and len(sig) < 400, sig
     assert "w8a8_fp8" in sig and "Fp8Format(" not in pydoc.render_doc(fp8ref.linear)
     assert repr(fp8ref.W8A8_FP8.activation) == "<QuantScheme e4m3fn-row-dyn>"
 

@@ -64,7 +64,7 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
                 bound_rows: int = 8, bound_cols: int = 64, bound_batches: int = 1, precision: str = "standard",
                 kind: str = "auto",
                 thresholds: Thresholds | None = None, model_name: str = "", text_name: str = "",
-                progress: bool = False) -> AuditReport:
+                progress: bool = False, candidates: Sequence[str] | None = None) -> AuditReport:
     """Audit every ``nn.Linear`` of ``model`` run in FP8 against the float model, per backend.
 
     Parameters
@@ -89,6 +89,10 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
         bound on the weight: sampling keeps it a small part of the audit). 0 rows disables it.
     precision : str
         Precision class handed to ``fp8ref.linear`` for ``"auto"``.
+    candidates : sequence of str, optional
+        The backends ``"auto"`` may choose among (``fp8ref.linear``'s ``candidates``); by default
+        every shipped and user-registered backend, and entry-point ones only when
+        ``FP8REF_ALLOW_BACKENDS`` names them.
     kind : str
         ``"auto"``, ``"causal_lm"`` or ``"encoder"``.
     thresholds : Thresholds, optional
@@ -135,7 +139,7 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
     if not layers:
         raise ValueError("the model has no nn.Linear to audit (after skip)")
     todo = batches(inputs)
-    runners = [Runner(b, recipe, precision) for b in backends]
+    runners = [Runner(b, recipe, precision, None if candidates is None else tuple(candidates)) for b in backends]
     accs: list[dict[str, LayerAccumulator]] = [{} for _ in runners]
     st = _State()
 

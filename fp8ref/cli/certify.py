@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
                    help=f"write the matrix here (default: {DEFAULT_OUTPUT} for a full run, nothing otherwise)")
     p.add_argument("--json", metavar="FILE", help="write the certificates as JSON")
     p.add_argument("--check", metavar="MD", help="compare the verdicts with those recorded in this matrix")
+    p.add_argument("--merge", metavar="MD", help="put the selected peers' rows into this matrix (replacing theirs, "
+                                                 "keeping every other row) and write it back")
     p.add_argument("--known-failures", metavar="PY", help="ledger (default: properties/known_failures.py if present)")
     p.add_argument("--in-process", action="store_true", help="run the peers in this process")
     p.add_argument("--no-measure", action="store_true", help="contracts only (skip bit-exactness, schemes, non-finite)")
@@ -150,7 +152,14 @@ def _run(args: argparse.Namespace) -> int:
         if c not in CONTRACT_NAMES:
             print(f"fp8ref certify: no contract {c!r}; contracts: {list(CONTRACT_NAMES)}", file=sys.stderr)
             return 2
-    output = args.output or (DEFAULT_OUTPUT if not args.peer and not args.only and not args.check else None)
+    if args.merge and args.only:
+        print("fp8ref certify: --merge records whole rows; it cannot take --only", file=sys.stderr)
+        return 2
+    if args.merge and not os.path.isfile(args.merge):
+        print(f"fp8ref certify: --merge: no matrix at {args.merge}", file=sys.stderr)
+        return 2
+    output = args.output or args.merge or (
+        DEFAULT_OUTPUT if not args.peer and not args.only and not args.check else None)
     for opt, path in (("--json", args.json), ("--output", output)):
         reason = path and unwritable_reason(path)
         if reason:
@@ -175,7 +184,13 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{peer.name}: {_summary(cert)}", file=sys.stderr, flush=True)
     if args.json:
         write_text(args.json, json.dumps([c.to_dict() for c in certs], indent=2, default=str))
-    if output:
+    if args.merge:
+        from ..peers import peer_names
+        from ..peers.matrix import merge
+
+        with open(args.merge) as f:
+            _write_matrix(output, merge(f.read(), certs, _header(args), peer_names()))
+    elif output:
         _write_matrix(output, render(certs, _header(args)))
     if args.check:
         with open(args.check) as f:
@@ -212,7 +227,14 @@ def _render_saved(args, known: list[dict]) -> int:
         certs = [Certificate.from_dict(d) for d in json.load(f)]
     for cert in certs:
         apply_known_failures(cert.report, known)
-    _write_matrix(args.output or DEFAULT_OUTPUT, render(certs, _header(args)))
+    if args.merge:
+        from ..peers import peer_names
+        from ..peers.matrix import merge
+
+        with open(args.merge) as f:
+            _write_matrix(args.output or args.merge, merge(f.read(), certs, _header(args), peer_names()))
+    else:
+        _write_matrix(args.output or DEFAULT_OUTPUT, render(certs, _header(args)))
     return 0
 
 

@@ -26,10 +26,10 @@ UPDATES = ("copy_", "mul_", "setitem", "data", "numpy")
 
 
 def _light(backend: Backend) -> bool:
-    """Whether the backend pays per element (an interpreter: the driver's ``conformance_max_elems``
-    hint, read as the driver reads it): each example then takes two view kinds, two updates and two
+    """Whether the backend pays per element (an interpreter: ``Backend.conformance_max_elems``,
+    which the driver reads too): each example then takes two view kinds, two updates and two
     rounds of threads instead of all of them, chosen by the problem so the sweep still covers all."""
-    hint = getattr(backend, "conformance_max_elems", None)
+    hint = backend.conformance_max_elems
     return isinstance(hint, int) and hint > 0
 
 
