@@ -35,6 +35,8 @@ PEER_MODULES = (
     "fp8ref.peers.jax_xla",
     "fp8ref.peers.quanto",
     "fp8ref.peers.modelopt",
+    "fp8ref.peers.flax_fp8",
+    "fp8ref.peers.tinygrad_fp8",
 )
 
 _PEERS: list[Peer] | None = None
