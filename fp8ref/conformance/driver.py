@@ -11,6 +11,9 @@ what was tested and what the backend declined. The report classes live in ``repo
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -23,9 +26,10 @@ from hypothesis.errors import HypothesisException, Unsatisfiable
 from .._progress import progress
 from ..registry import Backend, get_backend
 from ..spec.schemes import QuantScheme, Recipe
-from .contracts import CONTRACTS, Contract, Declined, get_contract, reference_threads
+from .contracts import CONTRACTS, Contract, ContractViolation, Declined, get_contract, reference_threads
 from .coverage import Coverage
 from .probe import accumulator_bits
+from .problems import problem_to_dict
 from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
 from .report import (
     ERROR,
@@ -45,9 +49,9 @@ from .report import (
     merge_reports,
 )
 from .scope import Scope, make_scope
-from .sweep import corner_sweep
+from .sweep import corner_sweep, exhaustive
 
-__all__ = ["ContractResult", "Report", "check", "check_contract", "merge_reports", "load_report",
+__all__ = ["ContractResult", "Report", "check", "check_contract", "load_backend", "merge_reports", "load_report",
            "apply_known_failures", "reproduce_line", "PASS", "FAIL", "ERROR", "NA", "XFAIL", "XPASS", "YES", "NO",
            "UNTESTED", "NOT_CLAIMED"]
 
@@ -77,12 +81,55 @@ def _profile_for(backend: Backend, prof: Profile) -> Profile:
     return prof
 
 
+def _class_path(backend: Backend) -> str | None:
+    """``module:Class`` when ``check`` can rebuild an equal backend from it (an importable class
+    whose constructor takes no argument), else None."""
+    cls = type(backend)
+    if "<" in cls.__qualname__ or cls.__module__ in ("__main__", "builtins"):
+        return None
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def load_backend(path: str) -> Backend:
+    """The backend named ``module:Class`` (a fresh instance) or ``module:instance``: how a
+    reproduce line names a backend that is not registered.
+
+    Examples
+    --------
+    >>> load_backend("fp8ref.kernels.reference:ReferenceBackend").name
+    'reference'
+    """
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"backend path must be 'module:Class', got {path!r}")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load backend {path!r}: {exc}") from None
+    backend = obj() if isinstance(obj, type) else obj
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{path!r} is {type(backend).__name__}, not an fp8ref.Backend")
+    return backend
+
+
 def _backend_expr(backend: Backend) -> tuple[str, str]:
     """(how the Python reproduce line names the backend, a comment saying what it is)."""
     if _registered(backend):
         return repr(backend.name), ""
+    path = _class_path(backend)
+    if path is not None:
+        return repr(path), ""
     cls = type(backend)
-    return "<backend>", f"  # <backend>: the {cls.__module__}.{cls.__qualname__} instance {backend.name!r}"
+    return "<backend>", (f"  # <backend>: the {cls.__module__}.{cls.__qualname__} instance {backend.name!r} "
+                         f"(its class cannot be rebuilt from a path)")
 
 
 def _registered(backend: Backend) -> bool:
@@ -113,7 +160,7 @@ def reproduce_line(backend: Backend, profile: str, seed: int, contract: str, sco
     py = f"fp8ref.conformance.check({who}, profile={profile!r}, seed={seed}, contracts=[{contract!r}]{extra})"
     if who.startswith("<") or (scope is not None and scope.narrowed):
         return py + note
-    cli = f"fp8ref conformance --backend {backend.name} --profile {profile} --seed {seed} --only {contract}"
+    cli = f"fp8ref conformance --backend {who.strip(chr(39))} --profile {profile} --seed {seed} --only {contract}"
     if scope is not None and tuple(scope.ops) != tuple(backend.ops):
         cli += "".join(f" --ops {o}" for o in scope.ops)
     return f"{py}  or: {cli}"
@@ -153,10 +200,11 @@ def _check_contract(backend, contract, profile, seed, max_examples, sweep, scope
     scope = scope if scope is not None else make_scope(backend)
     t0 = time.perf_counter()
     res = ContractResult(contract.name, contract.kind, PASS, op=contract.op)
-    if contract.op not in scope.ops:
+    missing = [op for op in (contract.op, *contract.requires) if op not in scope.ops]
+    if missing:
         res.status = NOT_CLAIMED
-        why = "not declared by the backend" if contract.op not in backend.ops else "not among the ops checked"
-        res.note = f"op {contract.op} {why} (backend ops: {', '.join(backend.ops)})"
+        why = "not declared by the backend" if missing[0] not in backend.ops else "not among the ops checked"
+        res.note = f"op {missing[0]} {why} (backend ops: {', '.join(backend.ops)})"
         return res
     res.reproduce = reproduce_line(backend, prof.name, seed, contract.name, scope)
     cov = Coverage()
@@ -201,8 +249,10 @@ def _check_contract(backend, contract, profile, seed, max_examples, sweep, scope
             except Exception as exc:  # noqa: BLE001 -- a violation or a crash of the backend, reported
                 res.status = FAIL if isinstance(exc, AssertionError) else ERROR
                 res.counterexample = repr(problem)
+                res.problem = problem_to_dict(problem)
                 res.message = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
                 res.examples_to_failure = state["n"] + 1
+                _count_failure(state, cov, problem, exc)
                 failed_in_sweep = True
                 break
         res.sweep = state["n"]
@@ -253,11 +303,27 @@ def _op_sweep(backend: Backend, contract: Contract, prof: Profile, seed: int, sc
         _SWEEPS[key] = problems
         if len(_SWEEPS) > 64:
             _SWEEPS.popitem(last=False)
+    if not contract.exhaustive:
+        problems = [q for q in problems if not exhaustive(q)]
     problems = contract.sweep(problems) if contract.sweep is not None else list(problems)
     if contract.secondary and prof.sweep_stride > 1:
         off = CONTRACTS.index(contract) % prof.sweep_stride if contract in CONTRACTS else 0
         problems = problems[off::prof.sweep_stride]
     return problems
+
+
+def _count_failure(state: dict, cov: Coverage, problem, exc: BaseException) -> None:
+    """Count the failing example among the examples run (and in the coverage) and fold its
+    error/bound into the contract's worst: a violation's own ratio, inf for a violation without
+    one (a NaN code, differing bits); a crash of the backend has no ratio."""
+    state["n"] += 1
+    if problem is not None:
+        cov.add(problem.facets())
+    if isinstance(exc, ContractViolation):
+        ratio = math.inf if exc.ratio is None else exc.ratio
+        state["worst"] = ratio if state["worst"] is None else max(state["worst"], ratio)
+    elif isinstance(exc, AssertionError):
+        state["worst"] = math.inf
 
 
 class _BudgetSpent(BaseException):  # noqa: N818 -- a signal, not an error: Hypothesis lets BaseExceptions through
@@ -301,6 +367,8 @@ def _search(backend, contract, prof, seed, max_examples, scope, state, cov, res,
         problem, err = state["fail"] if state["fail"] else (None, exc)
         res.status = FAIL if isinstance(err, AssertionError) else ERROR
         res.counterexample = repr(problem) if problem is not None else None
+        res.problem = problem_to_dict(problem) if problem is not None else None
+        _count_failure(state, cov, problem, err)
         res.message = str(err) if isinstance(err, AssertionError) else f"{type(err).__name__}: {err}"
         res.examples_to_failure = state["first_fail_n"] or state["n"] + 1
         if "Flaky" in type(exc).__name__:
@@ -319,7 +387,8 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     Parameters
     ----------
     backend : Backend or str
-        An instance (registered or not) or a registered name.
+        An instance (registered or not), a registered name, or ``"module:Class"`` (a class built
+        with no argument, as the reproduce line of an unregistered backend names it).
     profile : Profile or str or None
         ``dev``, ``ci`` (default) or ``thorough``; None reads ``$FP8REF_HYPOTHESIS_PROFILE``.
     seed : int, optional
@@ -361,7 +430,7 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     (True, 'pass')
     """
     if isinstance(backend, str):
-        backend = get_backend(backend)
+        backend = load_backend(backend) if ":" in backend else get_backend(backend)
     if not isinstance(backend, Backend):
         raise TypeError(f"expected an fp8ref.Backend or a registered name, got {type(backend).__name__}")
     prof = get_profile(profile)

@@ -26,7 +26,15 @@ __all__ = ["Contract", "ContractViolation", "Declined", "poison_allocator", "ref
 
 
 class ContractViolation(AssertionError):
-    """A backend broke a contract; the message locates the worst element."""
+    """A backend broke a contract; the message locates the worst element.
+
+    ``ratio`` is the failing example's worst error/bound where the contract compares with a bound
+    (None for a structural violation: a NaN code, a wrong shape, differing bits).
+    """
+
+    def __init__(self, message: str, ratio: float | None = None):
+        super().__init__(message)
+        self.ratio = ratio
 
 
 class Declined(Exception):
@@ -62,6 +70,12 @@ class Contract:
         An identity or info contract (determinism, symmetry, equivariance, losslessness on the grid,
         the fused linear against two calls, bit exactness, batch invariance): thinned out of the
         sweep for backends that pay per element.
+    exhaustive : bool
+        Run the sweep's exhaustive items (every bf16/fp16 bit pattern, every bf16 value as a row's
+        amax; up to 261k elements each); the other contracts skip them.
+    requires : tuple of str
+        Ops besides ``op`` the check calls (the fused linear against ``quantize`` and
+        ``scaled_mm``): the contract is "not claimed" by a backend that does not declare them all.
     """
 
     name: str
@@ -74,6 +88,8 @@ class Contract:
     examples: tuple = ()  #: pinned problems, run before the sweep
     sweep: Callable[[list], list] | None = None
     secondary: bool = False
+    requires: tuple[str, ...] = ()
+    exhaustive: bool = False
 
     @property
     def fails_report(self) -> bool:
@@ -160,6 +176,16 @@ def _ref_quantize(x: torch.Tensor, scheme, scale: torch.Tensor | None = None) ->
         raise Declined(f"reference refuses the input: {exc}") from None
 
 
+def _build(problem):
+    """``problem.build()``, declined when the spec itself refuses the problem's inputs (a bias that
+    cancels a row is built from the spec's quantization, which raises, e.g., for a scale that
+    overflows an fp16 scale dtype): an input the spec rejects is never a backend's fault."""
+    try:
+        return problem.build()
+    except ValueError as exc:
+        raise Declined(f"premise: the spec refuses the input: {exc}") from None
+
+
 def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan")) -> torch.Tensor:
     M, N = a.data.shape[0], b.data.shape[0]
     poison_allocator((M, N), a.data.device, poison)
@@ -206,7 +232,7 @@ def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torc
         raise ContractViolation(
             f"{what}: {n_bad} of {ok.numel()} elements outside the bound; worst at {idx}: got {v64[idx].item()!r}, "
             f"reference {r64[idx].item()!r}, |error| {err[idx].item():.6g} > bound {bound[idx].item():.6g} "
-            f"(ratio {worst:.3g})")
+            f"(ratio {worst:.3g})", ratio=worst)
     return worst
 
 

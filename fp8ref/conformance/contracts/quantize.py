@@ -7,12 +7,13 @@ import torch
 
 from ...registry import Backend
 from ...spec import quant
-from ...spec.bounds import quantization_error_bound
+from ...spec.bounds import conforming_quantization_error_bound, scale_interval
 from ...spec.quant import Quantized
 from .. import strategies as fst
 from .common import (
     ContractViolation,
     Declined,
+    _build,
     _cached,
     _check_within,
     _first_diff,
@@ -23,19 +24,13 @@ from .common import (
 )
 
 
-def _ulp(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    p = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[dtype]
-    _, e = torch.frexp(s.to(torch.float64))
-    return torch.exp2(e.to(torch.float64) - p)
-
-
 def _q_inputs(backend: Backend, p: fst.QuantizeProblem) -> tuple[torch.Tensor, torch.Tensor | None, Quantized]:
     """``(x, the caller's scale or None, the reference quantization)`` after the backend's decline
     (x and the scale are fresh copies: the backend may not touch the cached ones)."""
     _require(backend, p.case())
 
     def compute():
-        x = p.build()
+        x = _build(p)
         scale = p.scale(x)
         return x, scale, _ref_quantize(x, p.scheme, scale)
 
@@ -58,11 +53,13 @@ def check_quantize_scale(backend: Backend, p: fst.QuantizeProblem) -> float:
         return 0.0
     if bool((~torch.isfinite(s) | (s <= 0)).any()):
         raise ContractViolation(f"scale not finite and positive: {s.flatten()[:8].tolist()}")
-    return _check_within("scale (allowed: 1 ulp of scale_dtype)", s, r, _ulp(r, p.scheme.scale_dtype))
+    lo, hi = scale_interval(ref)
+    return _check_within("scale (allowed: scale_interval, 1 ulp of scale_dtype)", s, r,
+                         torch.where(s >= r, hi - r, r - lo))
 
 
 def check_quantize_codes(backend: Backend, p: fst.QuantizeProblem) -> float:
-    x, scale, _ = _q_inputs(backend, p)
+    x, scale, ref = _q_inputs(backend, p)
     q = _quantize(backend, x, p.scheme, scale)
     vals = q.data.to(torch.float32)
     if bool(torch.isnan(vals).any()):
@@ -74,8 +71,11 @@ def check_quantize_codes(backend: Backend, p: fst.QuantizeProblem) -> float:
         raise ContractViolation(f"code {vals[idx].item()} at {idx} exceeds qmax {p.scheme.qmax}")
     if bool((~torch.isfinite(q.scale.float()) | (q.scale.float() <= 0)).any()):
         raise ContractViolation(f"scale not finite and positive: {q.scale.flatten()[:8].tolist()}")
-    return _check_within("dequantized value vs x (quantization_error_bound)", quant.dequantize(q, torch.float64),
-                         x.to(torch.float64), quantization_error_bound(x, q))
+    # The bound is the spec's (its scale, widened to every scale quantize.scale admits), never one
+    # computed from the scale the backend returned: a scale that clips is measured against the spec's.
+    return _check_within("dequantized value vs x (conforming_quantization_error_bound)",
+                         quant.dequantize(q, torch.float64), x.to(torch.float64),
+                         conforming_quantization_error_bound(x, ref))
 
 
 def _is_pow2(t: torch.Tensor) -> bool:
