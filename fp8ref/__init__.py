@@ -1,17 +1,21 @@
 """fp8ref: a reference for FP8 W8A8 inference, and a referee for the kernels that compute it.
 
 Where things live, from the bottom up. At import time a module imports only from the entries
-above its own (a function may read this face, ``fp8ref``, lazily), and the spec imports nothing
-else from fp8ref; tests/test_layout.py checks both.
+above its own (a function may read this face, ``fp8ref``, lazily), the imports form no cycle even
+counting those inside functions, and the spec imports nothing else from fp8ref;
+tests/test_layout.py checks all three.
 
 - ``fp8ref.spec``: the spec (formats, schemes, the reference quantizer, the exact scaled GEMM,
   the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
   helpers ``_machine`` (CPU detection), ``_io`` (atomic writes) and ``_progress`` (progress bars).
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
-- ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``).
+- ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``, built by
+  ``python -m fp8ref.kernels.build``).
 - ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).
-- ``fp8ref.api``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, ``Fp8Linear`` and
-  ``quantize_model``, FP8 checkpoints; then this face, which re-exports the public API.
+- ``fp8ref.api``, ``fp8ref.ops``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, the
+  same as the custom operator ``torch.ops.fp8ref.linear`` (for ``torch.compile`` and
+  ``torch.export``), ``Fp8Linear`` and ``quantize_model``, FP8 checkpoints; then this face, which
+  re-exports the public API.
 - ``fp8ref.conformance``: the referee (contracts, Hypothesis search, reports).
 - ``fp8ref.peers``: adapters that put real third-party FP8 code (SGLang, vLLM, onnxruntime,
   torchao, compressed-tensors, jax, quanto, Model Optimizer) behind the backend API, and the
@@ -28,7 +32,7 @@ from .api import explain, linear, reference_linear
 from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
 from .nn import Fp8Linear, QuantizeSummary, quantize_model
 from .registry import Backend, BackendInfo, Case, backends, get_backend, register_backend, unregister_backend
-from .select import BackendUnavailableError, Decision, NoCompliantBackendError
+from .select import BackendUnavailableError, Decision, NoCompliantBackendError, choose_backend
 from .select import clear_cache as clear_selection_cache
 from .select import select as select_backend
 from .spec.bounds import (
@@ -156,6 +160,7 @@ __all__ = [
     "NoCompliantBackendError",
     "clear_selection_cache",
     "select_backend",
+    "choose_backend",
     "scaled_mm",
     "scaled_mm_exact",
 ]

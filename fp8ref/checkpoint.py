@@ -76,9 +76,22 @@ def _check_layout(name: str, recipe: Recipe) -> None:
                          "e4m3fn per-channel weights with dynamic per-token e4m3fn activations")
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
+def _safetensors(what: str):
+    """The ``safetensors`` package (a core dependency), or an ImportError that says how to get it
+    (an environment installed before it was one, or with ``--no-deps``)."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"{what} reads and writes .safetensors files and needs the safetensors package, "
+                                  "a dependency of fp8ref that this environment lacks: pip install "
+                                  "'safetensors>=0.4' (or reinstall fp8ref without --no-deps)",
+                                  name="safetensors") from exc
+    return safetensors
 
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    save_file = _safetensors("save_fp8_dynamic").torch.save_file
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
@@ -200,8 +213,8 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
     >>> fp8ref.load_fp8_dynamic(torch.nn.Sequential(torch.nn.Linear(32, 16)), p)
     ['0']
     """
-    from safetensors import SafetensorError, safe_open
-
+    st = _safetensors("load_fp8_dynamic")
+    SafetensorError, safe_open = st.SafetensorError, st.safe_open
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .api import check_codes, check_finite, linear, tensor_version
+from .ops import linear_op, recipe_key
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
@@ -142,6 +143,9 @@ class Fp8Linear(nn.Module):
         return self._qw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # torch.compile / torch.export: one opaque op (fp8ref.ops)
+            return linear_op(x, self.weight, self.weight_scale, self.bias, recipe_key(self.recipe), self.backend,
+                             self.precision, self.out_dtype)
         return linear(x, self.quantized_weight(), self.bias, recipe=self.recipe, backend=self.backend,
                       precision=self.precision, out_dtype=self.out_dtype)
 

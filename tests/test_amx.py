@@ -234,7 +234,7 @@ def test_self_test_verdict_is_keyed_to_the_self_test_source(monkeypatch):
      "self-test failed: the cpu-fp8-amx self-test did not finish"),
 ])
 def test_self_test_summary_says_whether_the_chip_computes_the_emulated_bits(monkeypatch, result, needle):
-    """What the bench header and ``python -m fp8ref.kernels.cpu_fp8`` report on an AMX machine."""
+    """What the bench header and ``python -m fp8ref.kernels.build`` report on an AMX machine."""
     monkeypatch.setattr(cpu_fp8_amx, "_result", result)
     assert cpu_fp8_amx.self_test_summary().startswith(needle)
 

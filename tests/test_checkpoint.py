@@ -166,3 +166,19 @@ def test_atomic_write_leaves_old_file_intact(tmp_path, monkeypatch):
 def test_config_helper():
     cfg = checkpoint.compressed_tensors_config(["b", "a"])
     assert cfg["ignore"] == ["a", "b"] and cfg["format"] == "float-quantized"
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_missing_safetensors_says_what_to_install(tmp_path, monkeypatch, call):
+    m = nn.Sequential(nn.Linear(16, 8))
+    fp8ref.quantize_model(m, skip=())
+    p = tmp_path / "m.safetensors"
+    fp8ref.save_fp8_dynamic(m, p)
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # what an environment without it imports
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'safetensors>=0.4'"):
+        if call == "save":
+            fp8ref.save_fp8_dynamic(m, tmp_path / "other.safetensors")
+        else:
+            fp8ref.load_fp8_dynamic(nn.Sequential(nn.Linear(16, 8)), p)
+    assert not (tmp_path / "other.safetensors").exists()

@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 SPEC_MODULES = ["fp8ref.spec.formats", "fp8ref.spec.schemes", "fp8ref.spec.quant", "fp8ref.spec.gemm",
-                "fp8ref.spec.bounds", "fp8ref.api"]
+                "fp8ref.spec.bounds", "fp8ref.api", "fp8ref.ops",
+                "fp8ref.select.choose"]
 
 
 @pytest.mark.parametrize("name", SPEC_MODULES)

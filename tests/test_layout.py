@@ -1,11 +1,18 @@
 """The house rules of the source tree, checked by parsing it (nothing is imported or run).
 
 - The spec (``fp8ref/spec/``) imports nothing else from fp8ref, not even inside a function.
-- Module-level imports between fp8ref modules form no cycle, and each module imports at
-  module level only from its own area or from areas below it in ``LAYERS`` (the map in
+- Imports between fp8ref modules form no cycle, neither at import time nor counting the imports
+  inside functions (a lazy import that closes a cycle still ties the two modules into one), and
+  each module imports at module level only from its own area or from areas below it in ``LAYERS`` (the map in
   ``fp8ref/__init__``'s docstring, which must name every area).
 - No ``.py`` file under ``fp8ref/`` carries C++ in a string: native code lives in real source
   files (``fp8ref/kernels/csrc/``).
+- No function takes more than ``MAX_POSITIONAL`` positional parameters (a method's receiver and a
+  Triton kernel's launch arguments aside): beyond that a call site is a row of unnamed values.
+- Docstrings and comments (the C++ sources' too) hold no lab notebook: no CPU model (``CPU_NAME``) and no speed figure
+  (``SPEED_FIGURE``); measurements of one machine go to docs/performance.md ("Figures behind the
+  code"), and the code keeps the reason for its choice. ``NOTEBOOK_ALLOWED`` lists the few
+  phrases that are facts, not measurements, each with its reason.
 - No module is longer than ``MAX_LINES`` unless its docstring says why, in a paragraph starting
   with ``LONG_MARKER``.
 - Every package has a docstring whose first paragraph says what lives there and which mentions
@@ -15,7 +22,9 @@
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from functools import cache
 from pathlib import Path
 
@@ -34,6 +43,41 @@ LONG_PENDING: dict[str, str] = {}
 #: Package docstrings that do not yet say how their imports flow, for the same reason.
 DOC_PENDING: dict[str, str] = {}
 
+#: Most positional parameters a function may take; more go keyword-only or into a named structure.
+MAX_POSITIONAL = 8
+#: Functions that other engineers are reshaping while this rule lands (issue 33: ``api.py``'s
+#: dispatch gets a small named structure, the driver's search its run state in attributes); the
+#: owner removes the entry with the refactoring, and a test below fails once an entry is stale.
+POSITIONAL_PENDING = {
+    "fp8ref/api.py::_call",  # TODO(issue 33, h3): the dispatch in a named structure
+    "fp8ref/api.py::_fallback",  # TODO(issue 33, h3)
+    "fp8ref/conformance/driver.py::_search",  # TODO(issue 33, h1): the run state in attributes
+}
+
+#: CPU models and machine descriptions ("a 2-vCPU ..."): in a docstring or a comment they mark a
+#: measurement of one machine.
+CPU_NAME = re.compile(r"\b(?:Zen ?\d|EPYC|Xeon|Sapphire Rapids|Emerald Rapids|Granite Rapids|Ice ?Lake|"
+                      r"Cascade ?Lake|Cooper ?Lake|Skylake|Genoa|Milan|Turin|Ryzen|Graviton|Neoverse|Opteron)\b"
+                      r"|\b\d+-(?:v?CPUs?|cores?)\b")
+#: Speed figures: a number (or a range) with a unit of time below the second or of throughput, a
+#: decimal speed ratio ("1.45x", "0.91-0.99x") or a ratio said to be faster or slower. Integer
+#: multiples that are not speeds ("up to 2x saturation", "32x too small") are left alone.
+SPEED_FIGURE = re.compile(
+    r"(?<![\w.])\d+(?:\.\d+)?\s*(?:-\s*\d+(?:\.\d+)?\s*)?(?:ns|us|µs|ms|[GMT]i?B/s|[GMT]FLOP/s|G codes/s|cycles)"
+    r"(?![\w/])"
+    r"|(?<![\w.])\d+\.\d+(?:\s*-\s*\d+\.\d+)?x\b"
+    r"|(?<![\w.])\d+(?:\.\d+)?x (?:faster|slower|as long|the time|the CPU)\b")
+#: (module, phrase) -> why it stays: a figure or CPU name inside the phrase is not a measurement.
+NOTEBOOK_ALLOWED = {
+    ("fp8ref/kernels/cpu_fp8_amx.py", "Intel Xeon Sapphire Rapids and later"):
+        "which CPUs have the AMX instructions: a fact of the hardware",
+    ("fp8ref/bench/timing.py", "Default 1 ms on CUDA, 5 ms on CPU"): "a parameter's documented default",
+    ("fp8ref/bench/report.py", "memory copy 10.00 GB/s (read + write); bf16 GEMM peak 100.0 GFLOP/s"):
+        "a doctest's output on made-up input",
+}
+#: Modules whose job is to identify CPUs: they may name them (never with a figure).
+CPU_NAMES_ALLOWED = {"fp8ref/_machine.py": "says which vendor, family and model numbers name which design"}
+
 #: The areas of fp8ref from the bottom up: at module level an area imports only from itself and
 #: from areas of a lower rank. ``fp8ref`` is the face (``fp8ref/__init__.py``) alone.
 LAYERS = [
@@ -42,6 +86,7 @@ LAYERS = [
     ("fp8ref.kernels",),
     ("fp8ref.select",),
     ("fp8ref.api",),
+    ("fp8ref.ops",),
     ("fp8ref.nn",),
     ("fp8ref.checkpoint",),
     ("fp8ref",),
@@ -127,15 +172,16 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def _import_time_edges() -> dict[str, set[str]]:
+def _import_time_edges(lazy: bool = False) -> dict[str, set[str]]:
     """Module -> the fp8ref modules its import runs (importing ``a.b.c`` from outside ``a.b`` runs
-    ``a.b``'s ``__init__`` first; one's own enclosing packages are already running)."""
+    ``a.b``'s ``__init__`` first; one's own enclosing packages are already running); with ``lazy``,
+    also those its functions import when called."""
     edges: dict[str, set[str]] = {}
     for name in _modules():
         deps = edges.setdefault(name, set())
         own = set(_ancestors(name)) | ({name} if _is_package(name) else set())
         for target, top, _ in _imports(name):
-            if not top:
+            if not (top or lazy):
                 continue
             for t in [*_ancestors(target), target]:
                 if t in _modules() and t not in own:
@@ -161,8 +207,7 @@ def test_the_spec_imports_nothing_else_from_fp8ref(name):
     assert not outside, f"{_modules()[name]} imports {outside}: the spec is a leaf"
 
 
-def test_no_import_cycle_at_import_time():
-    edges = _import_time_edges()
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles: list[list[str]] = []
 
@@ -180,7 +225,20 @@ def test_no_import_cycle_at_import_time():
     for name in sorted(edges):
         if name not in state:
             dfs(name, [])
+    return cycles
+
+
+def test_no_import_cycle_at_import_time():
+    cycles = _cycles(_import_time_edges())
     assert not cycles, "import cycles at import time:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycle_at_any_level():
+    """Imports inside functions count too: a lazy import that closes a cycle hides a dependency
+    that goes both ways (the build command in cpu_fp8.py importing cpu_fp8_amx, which imports
+    cpu_fp8, was one); move the code that needs both sides above them instead."""
+    cycles = _cycles(_import_time_edges(lazy=True))
+    assert not cycles, "import cycles through imports inside functions:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_the_cycle_check_sees_a_cycle(monkeypatch):
@@ -193,6 +251,19 @@ def test_the_cycle_check_sees_a_cycle(monkeypatch):
     assert _import_time_edges() == {"fp8ref": set(), "fp8ref.x": {"fp8ref.y"}, "fp8ref.y": {"fp8ref.x"}}
     with pytest.raises(AssertionError, match="fp8ref.x -> fp8ref.y -> fp8ref.x"):
         test_no_import_cycle_at_import_time()
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_lazy_import(monkeypatch):
+    """A cycle closed only by an import inside a function is invisible at import time but not
+    at any level."""
+    fake = {"fp8ref.x": "from . import y\n", "fp8ref.y": "def f():\n    from .x import g\n", "fp8ref": ""}
+    trees = {n: ast.parse(src) for n, src in fake.items()}
+    paths = {"fp8ref": PKG / "__init__.py", "fp8ref.x": PKG / "x.py", "fp8ref.y": PKG / "y.py"}
+    monkeypatch.setitem(globals(), "_modules", lambda: paths)
+    monkeypatch.setitem(globals(), "_tree", lambda n: trees[n])
+    test_no_import_cycle_at_import_time()
+    with pytest.raises(AssertionError, match="fp8ref.x -> fp8ref.y -> fp8ref.x"):
+        test_no_import_cycle_at_any_level()
 
 
 def test_every_area_is_on_the_map():
@@ -269,3 +340,166 @@ def test_every_source_directory_is_a_package():
     """A directory of .py files without __init__.py would hide its modules from the checks above."""
     loose = [p for p in PKG.rglob("*.py") if not (p.parent / "__init__.py").exists()]
     assert not loose, f"modules outside any package: {loose}"
+
+
+def _decorator_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    names = set()
+    for d in fn.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        names.add(d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", ""))
+    return names
+
+
+def _positional_counts(tree: ast.Module) -> list[tuple[str, int, int]]:
+    """``(qualified name, positional parameters, line)`` of every function and lambda in ``tree``.
+
+    The receiver of a method (the first parameter of a function in a class body that is not a
+    ``staticmethod``) is not counted: the caller never writes it. A ``triton.jit`` kernel is
+    skipped: its parameters are the compiled kernel's argument list (pointers, strides and
+    constexprs, each specialised by Triton at launch): the GPU kernel's interface, not a Python API.
+    """
+    out: list[tuple[str, int, int]] = []
+
+    def visit(node: ast.AST, prefix: str, in_class: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                name = f"{prefix}{getattr(child, 'name', '<lambda>')}"
+                decorators = set() if isinstance(child, ast.Lambda) else _decorator_names(child)
+                n = len(child.args.posonlyargs) + len(child.args.args)
+                if in_class and not isinstance(child, ast.Lambda) and "staticmethod" not in decorators:
+                    n -= 1
+                if "jit" not in decorators:
+                    out.append((name, n, child.lineno))
+                visit(child, f"{name}.", False)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", True)
+            else:
+                visit(child, prefix, in_class and not isinstance(child, ast.ClassDef))
+
+    visit(tree, "", False)
+    return out
+
+
+def test_no_function_takes_too_many_positional_parameters():
+    over = []
+    for name, path in _modules().items():
+        rel = path.relative_to(ROOT).as_posix()
+        for fn, n, line in _positional_counts(_tree(name)):
+            if n > MAX_POSITIONAL and f"{rel}::{fn}" not in POSITIONAL_PENDING:
+                over.append(f"{rel}:{line} {fn} takes {n} positional parameters")
+    assert not over, (f"more than {MAX_POSITIONAL} positional parameters (make the rest keyword-only, "
+                      "or pass a named structure):\n" + "\n".join(over))
+
+
+def test_positional_pending_entries_are_still_needed():
+    for entry in POSITIONAL_PENDING:
+        rel, fn = entry.split("::")
+        name = _name(ROOT / rel)
+        counts = {f: n for f, n, _ in _positional_counts(_tree(name))} if name in _modules() else {}
+        assert counts.get(fn, 0) > MAX_POSITIONAL, f"{entry} is within the rule now: drop it from POSITIONAL_PENDING"
+
+
+def test_the_positional_count_sees_what_a_caller_writes():
+    tree = ast.parse(
+        "def f(a, b, /, c, *args, d, e=1, **kw): pass\n"
+        "class C:\n"
+        "    def m(self, a, b): pass\n"
+        "    @staticmethod\n"
+        "    def s(a, b): pass\n"
+        "    def outer(self, a):\n"
+        "        def inner(x, y, z): pass\n"
+        "@triton.jit\n"
+        "def kernel(a, b, c, d, e, f, g, h, i, j): pass\n"
+        "g = lambda a, b: a\n")
+    assert {(f, n) for f, n, _ in _positional_counts(tree)} == {
+        ("f", 3), ("C.m", 2), ("C.s", 2), ("C.outer", 1), ("C.outer.inner", 3), ("<lambda>", 2)}
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every docstring (a string standing as a statement, ``#:`` attribute
+    docs' neighbours included) and every block of consecutive comment lines in ``path``, with
+    the whitespace collapsed so that a figure wrapped over two lines is still one figure."""
+    src = path.read_text()
+    out = [(node.lineno, " ".join(node.value.value.split())) for node in ast.walk(ast.parse(src))
+           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)]
+    block: list[str] = []
+    start = last = -1
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        line = tok.start[0]
+        if block and line != last + 1:
+            out.append((start, " ".join(block)))
+            block = []
+        if not block:
+            start = line
+        block.append(" ".join(tok.string.lstrip("#:").split()))
+        last = line
+    if block:
+        out.append((start, " ".join(block)))
+    return out
+
+
+def _notebook_entries(rel: str, text: str) -> list[str]:
+    """The CPU names and speed figures in ``text`` that no allowed phrase of module ``rel`` covers."""
+    spans = []
+    for (where, phrase), _ in NOTEBOOK_ALLOWED.items():
+        if where == rel:
+            spans += [(m.start(), m.end()) for m in re.finditer(re.escape(phrase), text)]
+    found = [m for m in SPEED_FIGURE.finditer(text)]
+    if rel not in CPU_NAMES_ALLOWED:
+        found += CPU_NAME.finditer(text)
+    return [m.group() for m in found if not any(a <= m.start() and m.end() <= b for a, b in spans)]
+
+
+def _cpp_prose(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every block of consecutive ``//`` comment lines of a C++ file."""
+    out: list[tuple[int, str]] = []
+    block: list[str] = []
+    start = 0
+    for i, line in enumerate([*path.read_text().splitlines(), ""], 1):
+        if "//" in line:
+            start = start if block else i
+            block.append(" ".join(line.split("//", 1)[1].split()))
+        elif block:
+            out.append((start, " ".join(block)))
+            block = []
+    return out
+
+
+def _sources() -> list[Path]:
+    return sorted([*PKG.rglob("*.py"), *(p for p in PKG.rglob("*") if p.suffix in (".cpp", ".h", ".cu"))])
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: p.relative_to(PKG).as_posix())
+def test_docstrings_and_comments_hold_no_lab_notebook(path):
+    rel = path.relative_to(ROOT).as_posix()
+    prose = _prose(path) if path.suffix == ".py" else _cpp_prose(path)
+    found = [f"{rel}:{line}: {hits}" for line, text in prose if (hits := _notebook_entries(rel, text))]
+    assert not found, ("machine-specific measurements in docstrings or comments; move them to docs/performance.md "
+                       "(\"Figures behind the code\": the figure, the CPU, the date) and keep the reason for the "
+                       "choice here:\n" + "\n".join(found))
+
+
+def test_notebook_allowances_are_still_needed():
+    for (rel, phrase), reason in NOTEBOOK_ALLOWED.items():
+        texts = [t for _, t in _prose(ROOT / rel) if phrase in t]
+        assert texts, f"{rel} no longer says {phrase!r}: drop it from NOTEBOOK_ALLOWED"
+        assert SPEED_FIGURE.search(phrase) or CPU_NAME.search(phrase), f"{phrase!r} needs no allowance"
+        assert reason
+    for rel in CPU_NAMES_ALLOWED:
+        assert any(CPU_NAME.search(t) for _, t in _prose(ROOT / rel)), f"{rel} names no CPU: drop its allowance"
+
+
+@pytest.mark.parametrize("text, hits", [
+    ("on a 2-vCPU Xeon with AMX it ran 1.45-1.8x bf16 F.linear", ["1.45-1.8x", "Xeon", "2-vCPU"]),
+    ("24.5-25.2 -> 23.7-24.0 ms at M = 1024", ["23.7-24.0 ms"]),
+    ("0.76 ns per code; 0.2 GB/s; 11 us against 96-180 us; 1.4 µs", ["0.76 ns", "0.2 GB/s", "11 us", "96-180 us",
+                                                                    "1.4 µs"]),
+    ("ran 4x slower per row; a ci run took 8x the CPU time; on the Zen 4 EPYC", ["4x slower", "8x the CPU", "Zen 4",
+                                                                                 "EPYC"]),
+    ("up to 2x saturation; 32x too small; 100-1000x larger; K = 4096; 1 << 20; 2**-9; 448", []),
+    ("quantization in GB/s as a fraction of the copy; ms per call; a 2-core machine", ["2-core"]),
+])
+def test_the_notebook_check_sees_figures_not_constants(text, hits):
+    assert sorted(_notebook_entries("fp8ref/x.py", text)) == sorted(hits)

@@ -6,7 +6,7 @@ exact FP8 values in bf16/fp32, on each code path the CPU runs: scalar, AVX2, AVX
 and ``Backend.linear`` — every one claims to compute the spec's expressions in the spec's order,
 so each is compared for *equal bits* (quantization, epilogue) or against the derived fp32 bound
 (GEMM, whose summation order is its own). Skipped with the reason when the extension is not built
-(``python -m fp8ref.kernels.cpu_fp8``; ``fp8ref.kernels.native`` loads it).
+(``python -m fp8ref.kernels.build``; ``fp8ref.kernels.native`` loads it).
 """
 
 import math

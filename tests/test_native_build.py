@@ -1,7 +1,7 @@
 """When and where the CPU extension is built (fp8ref.kernels.native), without running a compiler.
 
 The rules: the build directory is keyed to the environment; a build happens only on request
-(``python -m fp8ref.kernels.cpu_fp8``, or ``FP8REF_CPU_FP8=1`` at a CPU backend's availability
+(``python -m fp8ref.kernels.build``, or ``FP8REF_CPU_FP8=1`` at a CPU backend's availability
 check), never inside a probe or a timed call, and says so on stderr. ``native._compile`` (the
 only place the compiler runs) is replaced here by a recorder, and ``TORCH_EXTENSIONS_DIR`` points
 at an empty directory, so every test sees an environment with no build.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fp8ref
-from fp8ref.kernels import cpu_fp8, native
+from fp8ref.kernels import build, cpu_fp8, native
 from fp8ref.select import cache, compliance, selector, timing
 
 CASE = fp8ref.Case(M=2, N=32, K=64, recipe=fp8ref.W8A8_FP8)
@@ -79,7 +79,7 @@ def test_build_key_separates_environments(monkeypatch):
 
 
 def test_build_key_ignores_where_the_sources_lie(monkeypatch, tmp_path):
-    """tox builds from the checkout (``python -m fp8ref.kernels.cpu_fp8`` in the repository) and
+    """tox builds from the checkout (``python -m fp8ref.kernels.build`` in the repository) and
     pytest imports the installed copy: the same sources at another path must name the same build."""
     import shutil
 
@@ -113,7 +113,7 @@ def test_sources_are_the_files_in_csrc():
 def test_nothing_builds_unless_asked(unbuilt, monkeypatch):
     _spy(monkeypatch, unbuilt)
     reason = cpu_fp8.CpuFp8Backend().available()
-    assert "python -m fp8ref.kernels.cpu_fp8" in reason and "FP8REF_CPU_FP8=1" in reason
+    assert "python -m fp8ref.kernels.build" in reason and "FP8REF_CPU_FP8=1" in reason
     assert native.get() is None
     with pytest.raises(RuntimeError, match="not built yet"):
         native.require()
@@ -163,17 +163,17 @@ def test_build_says_when_it_starts_and_how_long_it_took(unbuilt, monkeypatch, ca
     fake = types.SimpleNamespace(has_bf16_dot=lambda: False, gemm_isa=lambda: 1,
                                  amx_status=lambda: "this CPU lacks amx")
     monkeypatch.setattr(native, "_compile", lambda verbose: unbuilt.append("build") or fake)
-    assert cpu_fp8.main([]) == 0
+    assert build.main([]) == 0
     out, err = capsys.readouterr()
     assert unbuilt == ["build"]
     assert "fp8ref: building the cpu-fp8 C++ kernel in" in err
     assert "fp8ref: built the cpu-fp8 C++ kernel in" in err and err.rstrip().endswith(" s")
     assert str(native.library_path()) in out and "cpu-fp8 runs its avx2 kernel" in out
     assert "AMX tiles (cpu-fp8-amx): no, this CPU lacks amx" in out
-    assert native.require() is fake and cpu_fp8.main([]) == 0 and unbuilt == ["build"]  # built once
+    assert native.require() is fake and build.main([]) == 0 and unbuilt == ["build"]  # built once
 
 
-def test_python_m_cpu_fp8_reports_the_amx_self_test_where_tiles_exist(unbuilt, monkeypatch, capsys):
+def test_python_m_build_reports_the_amx_self_test_where_tiles_exist(unbuilt, monkeypatch, capsys):
     """On a CPU with AMX tiles the report carries the self-test's verdict and whether the chip
     computes the emulation's bits (the first AMX machine answers that question in its build log)."""
     from fp8ref.kernels import cpu_fp8_amx
@@ -181,33 +181,43 @@ def test_python_m_cpu_fp8_reports_the_amx_self_test_where_tiles_exist(unbuilt, m
     fake = types.SimpleNamespace(has_bf16_dot=lambda: True, gemm_isa=lambda: 2, amx_status=lambda: "")
     monkeypatch.setattr(native, "_compile", lambda verbose: fake)
     monkeypatch.setattr(cpu_fp8_amx, "_result", {"reason": None, "matches_emulation": False, "checks": 33})
-    assert cpu_fp8.main([]) == 0
+    assert build.main([]) == 0
     out = capsys.readouterr().out
     assert "AMX tiles (cpu-fp8-amx): yes: self-test passed; the real tiles' bits differ from the emulation's" in out
 
 
-def test_python_m_cpu_fp8_as_a_script_registers_once(unbuilt, monkeypatch, capsys):
-    """``python -m`` runs cpu_fp8.py as ``__main__``, a second copy of the module; on an AMX CPU the
-    report imports cpu_fp8_amx, which imports the package's copy. Both copies registering
-    'cpu-fp8' raised "already registered" there (the first AMX machine, 2026-12-02)."""
+def test_python_m_build_as_a_script_registers_nothing(unbuilt, monkeypatch, capsys):
+    """``python -m`` runs build.py as ``__main__``, a second copy of the module; the report it prints
+    comes from the package's backends. When the command lived in cpu_fp8.py, its script copy and
+    the package's both registered 'cpu-fp8' on an AMX CPU: "already registered" (the first AMX
+    machine, 2026-12-02)."""
     from fp8ref.kernels import cpu_fp8_amx
 
     fake = types.SimpleNamespace(has_bf16_dot=lambda: True, gemm_isa=lambda: 2, amx_status=lambda: "")
     monkeypatch.setattr(native, "_compile", lambda verbose: fake)
     monkeypatch.setattr(cpu_fp8_amx, "_result", {"reason": None, "matches_emulation": True, "checks": 33})
-    monkeypatch.setattr(sys, "argv", [cpu_fp8.__file__])
-    before = fp8ref.get_backend("cpu-fp8")
-    script = compile(Path(cpu_fp8.__file__).read_text(), cpu_fp8.__file__, "exec")  # what runpy does
+    monkeypatch.setattr(sys, "argv", [build.__file__])
+    before = fp8ref.get_backend("cpu-fp8"), fp8ref.get_backend("cpu-fp8-amx")
+    script = compile(Path(build.__file__).read_text(), build.__file__, "exec")  # what runpy does
     with pytest.raises(SystemExit) as exc:
-        exec(script, {"__name__": "__main__", "__package__": "fp8ref.kernels", "__file__": cpu_fp8.__file__})
+        exec(script, {"__name__": "__main__", "__package__": "fp8ref.kernels", "__file__": build.__file__})
     assert exc.value.code == 0
     assert "AMX tiles (cpu-fp8-amx): yes: self-test passed; the real tiles' bits equal the emulation's" in \
         capsys.readouterr().out
-    assert fp8ref.get_backend("cpu-fp8") is before  # the package's backend, not the script's copy
+    assert (fp8ref.get_backend("cpu-fp8"), fp8ref.get_backend("cpu-fp8-amx")) == before
 
 
-def test_python_m_cpu_fp8_reports_a_failed_build(unbuilt, capsys):
-    assert cpu_fp8.main([]) == 1
+def test_the_former_build_command_says_where_it_went():
+    """``python -m fp8ref.kernels.cpu_fp8`` (the command before issue 33) fails with a pointer instead
+    of registering a second copy of the backend or exiting 0 having built nothing."""
+    script = compile(Path(cpu_fp8.__file__).read_text(), cpu_fp8.__file__, "exec")
+    with pytest.raises(SystemExit) as exc:
+        exec(script, {"__name__": "__main__", "__package__": "fp8ref.kernels", "__file__": cpu_fp8.__file__})
+    assert exc.value.code == "fp8ref: the build command is `python -m fp8ref.kernels.build` now"
+
+
+def test_python_m_build_reports_a_failed_build(unbuilt, capsys):
+    assert build.main([]) == 1
     assert "the cpu-fp8 kernel is unavailable: building the cpu-fp8 kernel failed" in capsys.readouterr().err
 
 
@@ -217,9 +227,9 @@ def test_a_broken_build_is_reported_not_loaded(unbuilt):
     assert native.is_built() and native.get() is None
     reason = cpu_fp8.CpuFp8Backend().available()
     assert reason.startswith(f"loading the cpu-fp8 kernel from {native.library_path()} failed")
-    assert "python -m fp8ref.kernels.cpu_fp8" in reason
+    assert "python -m fp8ref.kernels.build" in reason
     assert unbuilt == []  # a broken build is rebuilt only on request (`python -m ...`)
-    assert cpu_fp8.main([]) == 1 and unbuilt == ["build"]
+    assert build.main([]) == 1 and unbuilt == ["build"]
 
 
 def test_no_toolchain_is_the_reason(unbuilt, monkeypatch):

@@ -105,3 +105,26 @@ def test_pytest_properties_runs_without_pytest_benchmark():
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:benchmark", "-p", "no:cacheprovider",
                         "--collect-only", "-q", "properties"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_select_is_callable_by_its_obvious_name(tmp_path, monkeypatch):
+    from fp8ref import select as sel
+    from fp8ref.select import choose_backend, resolve  # the package's names still import
+
+    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
+    sel.clear_cache()
+    d = fp8ref.select((2, 16), (8, 16))
+    assert d.chosen in d.ranking and callable(resolve)
+    assert fp8ref.choose_backend is choose_backend
+    import torch
+
+    x, w = torch.randn(3, 2, 16), torch.randn(8, 16)
+    d2 = fp8ref.select(x, w, torch.zeros(8))
+    assert d2.key == fp8ref.select((6, 16), (8, 16), True, x_dtype=torch.float32).key
+    with pytest.raises(ValueError, match="x has 15 features"):
+        fp8ref.select((2, 15), (8, 16))
+    with pytest.raises(TypeError, match="w must be a tensor"):
+        fp8ref.select((2, 16), "w")
+    with pytest.raises(ValueError, match="x_dtype=torch.float16 contradicts"):
+        fp8ref.select(x, w, x_dtype=torch.float16)
+    sel.clear_cache()

@@ -171,7 +171,7 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
                     acc.w_stats = (sat / max(w.numel(), 1), fl / max(nz, 1), float(sc.min()), float(sc.max()))
                 if bound_rows and bound_cols and x2.shape[0] and acc.bound_calls < bound_batches:
                     acc.bound_calls += 1
-                    bound_check(acc, x2, w, bias, y, qx(), qw, b, od, bound_rows, bound_cols)
+                    bound_check(acc, x2, w, bias, y, qx=qx(), qw=qw, b=b, od=od, rows=bound_rows, cols=bound_cols)
             return None
         # FP8 pass of the active runner: replace the output.
         i = runners.index(st.runner)

@@ -103,7 +103,7 @@ def _sign_test_p(lost: int, gained: int) -> float:
     normal approximation (mean over standard error of the per-token differences) is poor when few
     tokens flip: four flips out of 128, all one way, pass it at 2.02 standard errors, yet even
     odds give that pattern once in 16 runs (the SmolLM2 reference-vs-auto audit test failed that way
-    on a Zen 5 EPYC, 2026-12-01)."""
+    on 2026-12-01)."""
     n = lost + gained
     return sum(math.comb(n, k) for k in range(lost, n + 1)) / 2**n if n else 1.0
 

@@ -10,6 +10,7 @@ import torch
 
 from ..registry import Backend
 from ..spec import bounds
+from ..spec.compare import error_ratio
 from ..spec.quant import Quantized, expand_scale, saturation_threshold
 from ..spec.schemes import Granularity
 from .report import ErrorStats
@@ -142,9 +143,12 @@ def _sample(n: int, k: int) -> torch.Tensor:
     return torch.linspace(0, n - 1, min(k, n)).round().long().unique()
 
 
-def bound_check(acc: LayerAccumulator, x2, w, bias, y, qx: Quantized, qw: Quantized, b: Backend, od,
-                 rows: int, cols: int) -> None:
+def bound_check(acc: LayerAccumulator, x2, w, bias, y, *, qx: Quantized, qw: Quantized, b: Backend, od,
+                rows: int, cols: int) -> None:
     """Worst |y - y_true| / linear_error_bound on a rows x cols sample of the output.
+
+    The layer's call (``x2``, ``w``, ``bias``, ``y``) comes by position, its quantized operands,
+    the backend that computed ``y``, the output dtype ``od`` and the sample's size by name.
 
     The bound of element (m, n) depends only on row m of x and row n of w (and their scales),
     so it is computed on the sampled rows of both operands, each kept with its own scales
@@ -160,7 +164,7 @@ def bound_check(acc: LayerAccumulator, x2, w, bias, y, qx: Quantized, qw: Quanti
     y_true = xs.to(torch.float64) @ ws.to(torch.float64).T
     if bs is not None:
         y_true = y_true + bs.to(torch.float64)
-    ratio = (y[ix][:, iw].to(torch.float64) - y_true).abs() / bnd
+    ratio = error_ratio((y[ix][:, iw].to(torch.float64) - y_true).abs(), bnd)
     worst = float(ratio.max())
     acc.ratio_max = worst if math.isnan(worst) else max(acc.ratio_max, worst)
     acc.ratio_rows += ratio.numel()

@@ -264,9 +264,9 @@ def _auto_beside_the_fastest(row: dict, admitted: Sequence[str], auto_call: Call
     backend: what differs is the choice alone (and, for ``auto``, the selector's lookup). Two
     speed-ups over bf16 ``F.linear`` do not compare two FP8 backends well where those stream their
     weight from memory and ``F.linear`` does not reach the bandwidth: a drift of the bandwidth
-    moves the backend's samples and not the bf16 ones beside them (on the Zen 4 EPYC of
-    docs/performance.md the same backend read 1.8 and 2.5 ms per call a minute apart at M = 1
-    while bf16 ``F.linear`` held 7.7-7.8 ms), and every backend's row prepares a copy of its own.
+    moves the backend's samples and not the bf16 ones beside them (docs/performance.md, "Figures
+    behind the code": a backend's time per call moved by a third a minute apart while bf16
+    ``F.linear``'s held), and every backend's row prepares a copy of its own.
 
     Sets ``row["auto_beside"]`` (name -> median over rounds of auto's time over that backend's),
     ``row["auto_over_fastest"]`` = its largest value: auto against whichever of them ran fastest

@@ -57,7 +57,7 @@ def bench_quantization(device: str = "cpu", backend_names: Sequence[str | Backen
     back-to-back rounds (``paired``): ``frac_of_copy_paired`` is the median over rounds of the
     quantizer's GB/s over the copy's GB/s (read + write) in the same round, and
     ``copy_gbps_paired`` the copy's median GB/s. The ceiling's ``copy_gbps`` is measured once per
-    run, and on a machine whose bandwidth drifts (docs/performance.md: 31-61 GB/s within an hour)
+    run, and on a machine whose bandwidth drifts (docs/performance.md: by nearly 2x within an hour)
     the ratio to it carries the drift; the paired ratio cancels it (not a loss of CPU time to other
     tenants, which slows the quantizer more than the copy). The paired copy is the round's sample,
     the ceiling the best of its samples: the ceiling is the stricter of the two.

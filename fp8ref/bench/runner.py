@@ -45,7 +45,7 @@ def kernel_paths() -> dict[str, str]:
 
 def machine_meta(device: str, quick: bool) -> dict:
     """What a run was measured on and when: date, device, CPU model, kind, vendor, family and model
-    number (two CPUs of one kind and model name, a Zen 4 and a Zen 5 "AMD EPYC", differ), kernel
+    number (two CPUs of one kind and model name, of two generations, differ), kernel
     flags, torch, Python, CPUs, threads, load."""
     flags = cpu_flags()
     sig = cpu_signature()

@@ -169,8 +169,8 @@ def paired(base: Callable[[], Any], fn: Callable[[], Any], *, device: str | torc
            repeat: int = 5, budget_s: float = 2.0, min_sample_s: float | None = None) -> Paired:
     """``fn`` against ``base`` in alternating samples: the speed-up as the median of per-round ratios.
 
-    On a shared machine the memory bandwidth and the clock drift over seconds (on the 2-vCPU
-    EPYC of docs/performance.md the copy bandwidth read 33 and 61 GB/s in two runs minutes apart),
+    On a shared machine the memory bandwidth and the clock drift over seconds (docs/performance.md,
+    "Figures behind the code": the copy bandwidth nearly doubled between two runs minutes apart),
     so two medians taken one after the other carry that drift into their ratio; a round's two
     samples, taken back to back, see the same machine. Same samples as ``timeit`` (warm-up call,
     calls repeated up to ``min_sample_s``, CUDA-synchronized); rounds stop at ``repeat`` or when

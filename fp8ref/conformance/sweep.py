@@ -362,7 +362,7 @@ def _gemm_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[Gem
     main = claimed or GEMM_RECIPES
     bias_modes = ((False, "random"), (True, "random"), (True, "cancel"))
 
-    def cands(M, N, K, a: CodeSpec, b: CodeSpec, recipes, i, outs=OUT_DTYPES, biases=bias_modes):
+    def cands(M, N, K, a: CodeSpec, b: CodeSpec, recipes, i, *, outs=OUT_DTYPES, biases=bias_modes):
         out = []
         for r in _rot(recipes, i + 5 * seed):
             for o in (outs if outs is not OUT_DTYPES else _rot(outs, i + seed)):

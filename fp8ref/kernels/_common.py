@@ -38,8 +38,8 @@ def ieee_methods(cls):
     """Class decorator for fp8ref's own backends: ``quantize``, ``scaled_mm``, ``linear`` and
     ``prepare_weight`` compute with subnormals kept whatever the calling thread flushes
     (``torch.set_flush_denormal``; fp8ref.spec.fenv), so that a backend's bits do not depend on the
-    caller's floating-point environment. The check and the wrapper's frame cost ~0.8 us on a
-    `cpu-fp8` linear (measured, docs/performance.md, Zen 4); the C++ kernels also
+    caller's floating-point environment. The check and the wrapper's frame cost about a
+    microsecond per call (docs/performance.md, "Figures behind the code"); the C++ kernels also
     guard MXCSR themselves, on every thread they run on. Third-party backends are left as they are:
     ``fp8ref.linear`` guards every call it makes, and the conformance suite runs them as written.
     """
@@ -226,10 +226,10 @@ def _fast_ok(scheme: QuantScheme) -> bool:
 def amax_all_finite(amax: torch.Tensor) -> bool:
     """Whether every block's amax is finite: one reduction and one ``item()``. The amaxes are
     magnitudes, +inf for a block holding NaN or Inf (or whose scale overflows) in the extension's
-    answer; an eager amax over NaN is NaN, which compares false as well. Measured on the 2-vCPU
-    Zen 3 EPYC for [1024, 32] group amaxes, each call on its own: 11 us, against 96-180 us for
-    ``bool(torch.isfinite(amax).all())``; between back-to-back quantizations of [1024, 4096] bf16
-    (threads already awake) the two differ by less than the timing noise.
+    answer; an eager amax over NaN is NaN, which compares false as well. On a call of its own it
+    is several times cheaper than ``bool(torch.isfinite(amax).all())``; between back-to-back
+    quantizations (threads already awake) the two differ by less than the timing noise
+    (docs/performance.md, "Figures behind the code").
     """
     return amax.numel() == 0 or amax.max().item() < math.inf
 

@@ -18,9 +18,9 @@ exact codes; only the accumulation and the epilogue round.
     ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` for the call: oneDNN may then feed
     the fp32 operands to bf16 dot-product units (AMX) with an fp32 accumulator, which is exact on
     these operands since they are bf16 values. Off by default: it is a process-wide switch, so
-    fp32 GEMMs of other threads would see it while the call runs, and on the 2-core EPYC where
-    this was written (avx512_bf16, no AMX) it changed nothing (an fp32 GEMM of non-bf16 inputs
-    came out bit-identical with and without it, shapes 1x1x1 to 1024^3).
+    fp32 GEMMs of other threads would see it while the call runs, and on the CPU without AMX where
+    this was written it changed nothing: an fp32 GEMM of non-bf16 inputs came out bit-identical
+    with and without it (docs/performance.md, "Figures behind the code").
 
 Block and group recipes run one GEMM per K-segment on which both scales are constant, summing
 the scaled segment results in fp32 (``fp8ref.spec.gemm.k_segments``).
@@ -30,12 +30,12 @@ hands the wide copy to oneDNN once, in oneDNN's own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``), and every call runs oneDNN's linear on it
 (``_linear_pointwise``): ``F.linear`` re-lays the weight out on every call (bf16) or runs MKL's
 sgemm (fp32). Same operands, same fp32 accumulator, so the same declarations; the summation order
-is oneDNN's. On the 2-core Zen 5 EPYC (avx512_bf16) of 2026-12-02, K = 4096, bf16: 1.4-1.5x
-``F.linear`` at M <= 16, 1.2x at M = 64, 1.05-1.1x at M >= 128; fp32: 1.7-2.3x (docs/performance.md).
-Decided on this machine: packing is used where oneDNN is built in (and, for bf16, where it reports
-bf16 support) and a 16 x 16 trial packs and multiplies correctly; ``FP8REF_CPU_PACK=0`` turns it
-off. A packed tensor cannot be copied or pickled (torch's opaque tensors): ``PreparedWeight``
-shares it on ``copy.deepcopy`` (it is never written).
+is oneDNN's. Where it was measured it beat ``F.linear`` at every M, most at small M and in fp32
+(docs/performance.md, "Figures behind the code"). Decided on this machine: packing is used where
+oneDNN is built in (and, for bf16, where it reports bf16 support) and a 16 x 16 trial packs and
+multiplies correctly; ``FP8REF_CPU_PACK=0`` turns it off. A packed tensor cannot be copied or
+pickled (torch's opaque tensors): ``PreparedWeight`` shares it on ``copy.deepcopy`` (it is never
+written).
 
 The activation quantization and the epilogue can be fused with ``torch.compile`` (``compile=True``
 or ``FP8REF_COMPILE=1``): compiled lazily on first use, cached per process, and any compile or
@@ -156,8 +156,8 @@ def _quant_codes(x: torch.Tensor, qmax: float, floor: float, fp8: torch.dtype):
 
 def _quant_wide(x: torch.Tensor, qmax: float, floor: float, fp8: torch.dtype, wide: torch.dtype):
     """The same, returning the FP8 *values* in ``wide`` instead of the codes: what the fused
-    ``linear`` multiplies. Going through fp32 is exact and, compiled, avoids an FP8 store (slow in
-    inductor's CPU code: 26 ms vs 4 ms at 1024 x 4096 on one core)."""
+    ``linear`` multiplies. Going through fp32 is exact and, compiled, avoids an FP8 store, which
+    inductor's CPU code makes several times slower (docs/performance.md, "Figures behind the code")."""
     s, amax = _row_scale(x, qmax, floor)
     v = torch.div(x, s).clamp_(-qmax, qmax)
     return v.to(fp8).to(torch.float32).to(wide), s, amax
@@ -165,8 +165,8 @@ def _quant_wide(x: torch.Tensor, qmax: float, floor: float, fp8: torch.dtype, wi
 
 def _widen(q: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
     """FP8 codes to their exact values in ``wide``. Through fp32: torch's direct fp8 -> bf16 CPU
-    conversion is the slower element-wise path, and compiled this is one fused pass (6.5 ms vs
-    34-45 ms eager for 1024 x 4096 on one core, noisy machine)."""
+    conversion is the slower element-wise path, and compiled this is one fused pass
+    (docs/performance.md, "Figures behind the code")."""
     return q.to(torch.float32).to(wide)
 
 

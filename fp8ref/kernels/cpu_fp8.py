@@ -25,7 +25,7 @@ Every product of two FP8 values is exact in fp32 and each addition rounds once i
 The C++ lives in ``fp8ref/kernels/csrc/`` (``gemm_packed.cpp``, ``gemm.cpp``; ``decode.h``); the
 same extension holds the fused quantizer and scale epilogue used by ``fast_quantize``,
 ``cpu-bf16`` and ``cpu-fp32``. ``fp8ref.kernels.native`` builds and loads it: the backend is
-available once this environment's build exists, which ``python -m fp8ref.kernels.cpu_fp8`` makes
+available once this environment's build exists, which ``python -m fp8ref.kernels.build`` makes
 (one to four minutes on two cores), or ``FP8REF_CPU_FP8=1`` at the first availability check; never a
 selection's probe or a timed call.
 
@@ -49,25 +49,26 @@ from ..spec.schemes import Granularity, QuantScheme
 from . import native
 from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
 
-__all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "main", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
+__all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
            "PACKED_ROWS", "PATH_FLAGS"]
 
-#: Rows beyond which the packed kernel declines. On a 2-core EPYC with avx512_bf16 (quiet, Llama-3.1-8B
-#: shapes) it ran at 1.45-1.8x bf16 ``F.linear``'s speed at M = 16, 1.04-1.17x at 64, 0.95-1.03x at 128,
-#: 0.91-0.99x at 256 and 0.70-0.86x at 1024, where oneDNN's bf16 GEMM (cpu-bf16, 0.93-1.0x) wins.
-#: The selector times buckets above 128 rows at 128 rows, so a larger limit could pick it there.
+#: Rows beyond which the packed kernel declines: its lead over bf16 ``F.linear`` shrinks as M grows
+#: (the weight's bytes matter less) to about par at 128-256 rows, and beyond, oneDNN's bf16 GEMM
+#: (``cpu-bf16``, same strict class) was the faster one (docs/performance.md, "Figures behind the
+#: code").
 MAX_M = 256
 #: Rows beyond which the AVX2 kernel (CPUs without AVX-512: fp16-pattern decoding, fp32 FMAs) declines.
-#: On the 2-vCPU AVX2 EPYC it beat bf16 ``F.linear`` (which has no bf16 arithmetic there) at every M
-#: measured and fp32 ``F.linear`` up to M = 32-64 (docs/performance.md); beyond, ``cpu-fp32``
-#: (oneDNN's fp32 GEMM on the exact values, same strict class) is the faster one.
+#: Where measured it beat bf16 ``F.linear`` (which has no bf16 arithmetic there) at every M and fp32
+#: ``F.linear`` at small M; beyond, ``cpu-fp32`` (oneDNN's fp32 GEMM on the exact values, same strict
+#: class) is the faster one (docs/performance.md, "Figures behind the code").
 MAX_M_AVX2 = 128
 #: Rows beyond which the other fallbacks (AVX-512 without avx512_bf16: fp16 decoding + fp32 FMAs;
-#: no AVX2: a scalar loop) decline: one core of an AVX-512 EPYC measured the first at 0.78-1.27x
-#: bf16 ``F.linear`` at M = 4 and 0.45x at M = 16.
+#: no AVX2: a scalar loop) decline: the first barely kept up with bf16 ``F.linear`` at M = 4 and fell
+#: far behind at M = 16 (docs/performance.md, "Figures behind the code").
 MAX_M_FALLBACK = 4
 #: Rows per call of the packed kernel: its activation pairs (K/2 x rows x 4 bytes) stay in L2
-#: (2 MiB at K = 4096); 1024 rows at K = 14336 (29 MiB) ran 4x slower per row than 256.
+#: (2 MiB at K = 4096); larger chunks spill them and ran several times slower per row
+#: (docs/performance.md, "Figures behind the code").
 PACKED_ROWS = 256
 #: The kernel paths, best first, and the CPU flags each needs (``/proc/cpuinfo`` names).
 PATH_FLAGS = {"packed": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx512f", "avx512bw", "f16c"),
@@ -123,8 +124,8 @@ def pack_weight(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _nan_codes(codes: torch.Tensor) -> bool:
     """E4M3FN's NaN codes (0x7F, 0xFF): the kernel's decoding would read them as 480. One scan in
-    the extension where it is loaded (the three torch ops it replaces cost ~60 us per call on the
-    activations at M = 16, K = 4096: 5 % of the call), else torch."""
+    the extension where it is loaded (the three torch ops it replaces were a visible share of a
+    decode-sized call: docs/performance.md, "Figures behind the code"), else torch."""
     mod = native.loaded()
     u8 = codes.contiguous().view(torch.uint8)
     if mod is not None:
@@ -256,37 +257,6 @@ class CpuFp8Backend(Backend):
         return mod.fp8_e4m3_gemm(codes_a, codes_b, sa, sb, *bias_arg, _GEMM_ISA[self._path()])
 
 
-if __name__ != "__main__":  # run as a script, this file is a second copy of the module (see the end)
-    register_backend(CpuFp8Backend())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fp8ref.kernels.cpu_fp8 [-v]``: build this environment's extension (or find it built)."""
-    args = sys.argv[1:] if argv is None else argv
-    try:
-        mod = native.build(verbose="-v" in args)
-    except RuntimeError as exc:
-        print(f"fp8ref: the cpu-fp8 kernel is unavailable: {exc}", file=sys.stderr)
-        return 1
-    amx = mod.amx_status()
-    if not amx:
-        from .cpu_fp8_amx import self_test_summary  # (imports this module)
-        amx = f"yes: {self_test_summary()}"
-    else:
-        amx = f"no, {amx}"
-    print(f"cpu-fp8 kernel ready: {native.library_path()}\n"
-          f"  this CPU ({cpu_model()}): cpu-fp8 runs its {gemm_path()} kernel; AMX tiles (cpu-fp8-amx): {amx}")
-    return 0
-
-
-def _script_main() -> int:
-    """``python -m`` runs this file as ``__main__``, a copy beside the package's module that
-    cpu_fp8_amx imports; registering from both raised "already registered" on the first AMX
-    machine, so the script leaves the registration and the report to the package's copy."""
-    from fp8ref.kernels import cpu_fp8 as package_module
-
-    return package_module.main()
-
-
-if __name__ == "__main__":
-    sys.exit(_script_main())
+if __name__ == "__main__":  # the build command's former home: a stale script fails loudly
+    sys.exit("fp8ref: the build command is `python -m fp8ref.kernels.build` now")
+register_backend(CpuFp8Backend())

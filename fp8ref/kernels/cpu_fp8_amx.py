@@ -72,8 +72,8 @@ __all__ = ["CpuFp8AmxBackend", "AMX_FLAGS", "AMX_ROWS", "SELF_TEST_SHAPES", "sel
 #: The CPU flags the kernel needs (``/proc/cpuinfo`` names): the tiles, and AVX-512 BF16 for decoding.
 AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512_bf16")
 #: Rows per kernel call (the kernel itself goes in panels of 256 rows, written straight into one
-#: output; 256 rows per call until 2026-12-02: 24.5-25.2 -> 23.7-24.0 ms at M = 1024, K = N = 4096,
-#: on a Xeon with AMX). Bounds the decoded activations (2 x K bytes per row).
+#: output, which saves joining fp32 pieces: docs/performance.md, "Figures behind choices in the
+#: code"). Bounds the decoded activations (2 x K bytes per row).
 AMX_ROWS = 4096
 #: (M, N, K) of the self-test: every M tail (1, 15, 16, 17, 31..33 rows, several row chunks), N
 #: tails (1, 17, 45) and K tails (odd K, K < 32, one K chunk of 2048 values and several, with C in
@@ -273,7 +273,7 @@ def self_test_result() -> dict:
 
 def self_test_summary() -> str:
     """One line on the real tiles' self-test, for the bench header and ``python -m
-    fp8ref.kernels.cpu_fp8``: passed or why not, and whether the chip's bits equal the emulation's.
+    fp8ref.kernels.build``: passed or why not, and whether the chip's bits equal the emulation's.
     The emulation follows the SDM's pseudocode of TDPBF16PS, whose accumulation order Intel's
     intrinsics guide writes differently; which one the chip follows is unverified until a machine
     with AMX reports it here (a difference is no defect: the self-test checks the bound)."""

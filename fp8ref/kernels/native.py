@@ -14,7 +14,7 @@ change of any source gets a new one.
 
 **When.** A build happens only on an explicit request, and never inside a timed or probed call:
 
-- ``python -m fp8ref.kernels.cpu_fp8`` (tox's ``commands_pre`` runs it), which calls ``build``;
+- ``python -m fp8ref.kernels.build`` (tox's ``commands_pre`` runs it), which calls ``build``;
 - with ``FP8REF_CPU_FP8=1``, the first availability check of cpu-fp8, cpu-bf16 or cpu-fp32
   (``prepare``). The selector, ``fp8ref.linear`` with a named backend, ``fp8ref backends``, the
   bench and the conformance suite all ask a backend's ``available()`` before they probe, time
@@ -64,7 +64,7 @@ ENV_BUILD = "FP8REF_CPU_FP8"
 #: ``0`` turns the optional fast paths of cpu-bf16, cpu-fp32 and ``fast_quantize`` off.
 ENV_NATIVE = "FP8REF_NATIVE"
 
-_NOT_BUILT = ("the cpu-fp8 C++ kernel is not built yet: run `python -m fp8ref.kernels.cpu_fp8` once "
+_NOT_BUILT = ("the cpu-fp8 C++ kernel is not built yet: run `python -m fp8ref.kernels.build` once "
               "(about a minute), or set FP8REF_CPU_FP8=1 to build it on first use")
 
 _lock = threading.RLock()
@@ -108,7 +108,7 @@ def build_key() -> dict[str, str]:
     ['cflags', 'compiler', 'ldflags', 'prefix', 'python', 'sources', 'torch', 'torch_dir']
 
     The sources count by content, never by path: tox builds the extension with ``python -m
-    fp8ref.kernels.cpu_fp8`` run from the repository (fp8ref imported from the checkout) while
+    fp8ref.kernels.build`` run from the repository (fp8ref imported from the checkout) while
     pytest imports the installed copy from site-packages; both must find the same build.
     """
     return {
@@ -192,7 +192,7 @@ def _load_existing() -> ModuleType | None:
                 _module = _import(library_path())
             except Exception as exc:  # a truncated or foreign file: say which, and how to redo it
                 _error = (f"loading the cpu-fp8 kernel from {library_path()} failed ({exc!r}); "
-                          "run `python -m fp8ref.kernels.cpu_fp8` to build it again")
+                          "run `python -m fp8ref.kernels.build` to build it again")
         return _module
 
 

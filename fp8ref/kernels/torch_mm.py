@@ -18,9 +18,10 @@ Numerics (checked against the spec by tests/test_kernels.py):
   GEMM so that it is never rounded to ``out_dtype`` first.
 
 What ``torch._scaled_mm`` accepts differs between machines and torch versions (torch 2.13.0+cpu raises
-"itensor_view_from_dense expects ... Float8_e4m3fnuz" for E4M3FNUZ operands at every shape on an
-AMX Xeon and at M = N = 1 on one Zen 4 EPYC, and computes them on another Zen 4 and on Zen 3 and Zen 5
-EPYCs: not even the CPU design decides it), so no list of
+"itensor_view_from_dense expects ... Float8_e4m3fnuz" for E4M3FNUZ operands at every shape on some
+CPUs, at M = N = 1 only on others, and computes them on others again; two CPUs of one design have
+differed, so not even the design decides it; the known-failures ledger's ``torch-cpu-scaled-mm-fnuz``
+records where), so no list of
 unsupported cases is written down here: ``supports`` runs the backend's own call once on zero
 operands of a tiny shape of the same *class* (formats, scale granularity, output dtype, bias, M
 and N capped at 3, K at 32 plus its residue mod 16) and declines, with torch's message as the

@@ -250,22 +250,25 @@ class TritonBackend(Backend):
     @property
     def conformance_max_elems(self) -> int | None:
         """Element budget hint for the conformance suite: the interpreter runs each program in
-        Python (~15 ms per quantization group), so it certifies on smaller operands (reports say so)."""
+        Python (milliseconds per quantization group), so it certifies on smaller operands (reports
+        say so)."""
         return 1024 if interpreting() else None
 
     @property
     def conformance_max_examples(self) -> int | None:
         """Example-count hint for the conformance suite under the interpreter (a count, not a time,
         so the ci profile's verdicts do not depend on the machine): at most 8 drawn examples per
-        contract besides the pinned ones and the corner sweep, about 0.7 s of CPU each for a
-        quantize contract (the ci profile's own count for per-element backends, 4, is lower and wins)."""
+        contract besides the pinned ones and the corner sweep, each a large fraction of a second of
+        CPU for a quantize contract (the ci profile's own count for per-element backends, 4, is
+        lower and wins; docs/performance.md, "Figures behind the code")."""
         return 8 if interpreting() else None
 
     @property
     def bench_skip_reason(self) -> str | None:
         """Why ``fp8ref bench`` leaves this backend out by default: under the interpreter every
         program runs as numpy in Python, a correctness vehicle whose times say nothing about the
-        kernel (one [1024, 4096] quantization ran for over ten minutes on a 2-vCPU Xeon)."""
+        kernel (minutes per call at benchmark shapes: docs/performance.md, "Figures behind the
+        code")."""
         return ("it runs in Triton's CPU interpreter (TRITON_INTERPRET=1): Python, minutes per call at "
                 "benchmark shapes, and its times say nothing about the kernel") if interpreting() else None
 

@@ -18,7 +18,10 @@ above it; ``fp8ref.api`` (``fp8ref.linear``) imports it.
 - ``compliance``: the probe itself (``probe``);
 - ``timing``: medians, the interleaved run-off, the selector's clock;
 - ``cache``: memory, disk and run-time failure marks;
-- ``selector``: candidates, the selection run, ``select`` and ``resolve``.
+- ``selector``: candidates, the selection run, ``select`` and ``resolve``;
+- ``choose``: ``choose_backend``, the selection asked with tensors or shapes. Calling the package
+  calls it: ``fp8ref.select(x, w)`` (the module object is callable, so the obvious name works
+  and ``from fp8ref.select import ...`` keeps working).
 
 Environment variables
 ---------------------
@@ -32,7 +35,11 @@ FP8REF_CACHE_DIR
     Directory of the on-disk cache (default ``~/.cache/fp8ref``).
 """
 
+import sys as _sys
+import types as _types
+
 from .cache import CACHE_SCHEMA, ENV_CACHE_DIR, cache_file, clear_cache, generation, mark_failed
+from .choose import choose_backend
 from .compliance import probe
 from .decision import BackendUnavailableError, Decision, NoCompliantBackendError, ProbeResult, Row
 from .keys import device_name, m_bucket, selection_key
@@ -61,4 +68,16 @@ __all__ = [
     "clear_cache",
     "generation",
     "mark_failed",
+    "choose_backend",
 ]
+
+
+class _CallableModule(_types.ModuleType):
+    """This package's module type: ``fp8ref.select(...)`` is ``choose_backend(...)`` (a module
+    that users call by its obvious name raised ``TypeError: 'module' object is not callable``)."""
+
+    def __call__(self, *args, **kwargs) -> Decision:
+        return choose_backend(*args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -14,6 +14,7 @@ import torch
 
 from ..registry import Backend, Case
 from ..spec import bounds
+from ..spec.compare import compare
 from ..spec.gemm import scaled_mm
 from ..spec.quant import Quantized, dequantize, quantize
 from ..spec.schemes import Granularity, QuantScheme
@@ -42,7 +43,8 @@ def probe_shapes(case: Case) -> tuple[int, int]:
 
 def _check_quantized(q: Any, x: torch.Tensor, scheme: QuantScheme) -> tuple[float, str]:
     """Worst ratio of the backend's activation quantization against the spec (inf on a
-    structural violation), and where."""
+    structural violation), and where: the scale within ``bounds.scale_error_bound``, the codes
+    within ``bounds.quantization_error_bound``, both judged by ``fp8ref.spec.compare``."""
     if not isinstance(q, Quantized):
         return math.inf, f"quantize returned {type(q).__name__}, not Quantized"
     if q.scheme != scheme:
@@ -50,41 +52,19 @@ def _check_quantized(q: Any, x: torch.Tensor, scheme: QuantScheme) -> tuple[floa
     if tuple(q.data.shape) != tuple(x.shape):
         return math.inf, f"quantize returned data {tuple(q.data.shape)} for x {tuple(x.shape)}"
     ref = quantize(x, scheme)
-    s_b, s_r = q.scale.to(torch.float64).cpu(), ref.scale.to(torch.float64).cpu()
-    if not bool(torch.isfinite(s_b).all()) or not bool((s_b > 0).all()):
-        return math.inf, "quantize returned a non-finite or non-positive scale"
-    # A scale computed as amax * (1/qmax) instead of amax / qmax makes two fp32 roundings instead of
-    # one; a narrower scale dtype then rounds once more, possibly to the neighbouring value.
-    u_sd = 0.0 if scheme.scale_dtype == torch.float32 else bounds.unit_roundoff(scheme.scale_dtype)
-    s_bound = (2 * bounds.U_FP32 + 2 * u_sd) * s_r
-    s_ratio = float(((s_b - s_r).abs() / s_bound).max()) if s_b.numel() else 0.0
-    qb = bounds.quantization_error_bound(x.cpu(), Quantized(q.data.cpu(), q.scale.cpu(), q.scheme))
-    err = (dequantize(Quantized(q.data.cpu(), q.scale.cpu(), q.scheme), torch.float64)
-           - x.cpu().to(torch.float64)).abs()
-    ratio = torch.nan_to_num(err / qb, nan=math.inf)
-    q_ratio = float(ratio.max()) if ratio.numel() else 0.0
-    if s_ratio >= q_ratio:
-        return s_ratio, f"quantize scale vs reference: ratio {s_ratio:.3g}"
-    idx = tuple(int(i) for i in (ratio == ratio.max()).nonzero()[0])
-    return q_ratio, (f"quantize codes at {idx}: x={float(x[idx]):.6g}, |deq - x| = {float(err[idx]):.3g}, "
-                     f"bound {float(qb[idx]):.3g}, ratio {q_ratio:.3g}")
+    scale = compare("quantize scale vs reference", q.scale, ref.scale, bounds.scale_error_bound(ref.scale, scheme))
+    if not scale.ok:
+        return scale.ratio, scale.message()
+    qc = Quantized(q.data.cpu(), q.scale.cpu(), q.scheme)
+    codes = compare("quantize codes: dequantized vs x", dequantize(qc, torch.float64), x.cpu(),
+                    bounds.quantization_error_bound(x.cpu(), qc))
+    worst = max(scale, codes, key=lambda v: v.ratio)
+    return worst.ratio, worst.message()
 
 
 def _ratio(y: Any, y_ref: torch.Tensor, bound: torch.Tensor, out_dtype: torch.dtype, what: str) -> tuple[float, str]:
-    if not isinstance(y, torch.Tensor):
-        return math.inf, f"{what}: returned {type(y).__name__}"
-    if tuple(y.shape) != tuple(y_ref.shape):
-        return math.inf, f"{what}: output shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}"
-    if y.dtype != out_dtype:
-        return math.inf, f"{what}: output dtype {y.dtype}, expected {out_dtype}"
-    err = (y.detach().cpu().to(torch.float64) - y_ref).abs()
-    ratio = torch.nan_to_num(err / bound, nan=math.inf)
-    if ratio.numel() == 0:
-        return 0.0, ""
-    worst = float(ratio.max())
-    idx = tuple(int(i) for i in (ratio == ratio.max()).nonzero()[0])
-    return worst, (f"{what} at {idx}: got {float(y[idx]):.6g}, "
-                   f"reference {float(y_ref[idx]):.6g}, bound {float(bound[idx]):.3g}, ratio {worst:.3g}")
+    v = compare(what, y, y_ref, bound, dtype=out_dtype)
+    return v.ratio, v.message()
 
 
 class ProbeSet:
@@ -178,8 +158,9 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
     Checks 1 and 2 are elementwise against a bound of ``fp8ref.spec.bounds``, whose sum is the
     end-to-end contract (``linear_error_bound`` is built from exactly these two terms):
 
-    1. ``backend.quantize`` of the activations: scales equal the reference's up to the fp32
-       roundings of ``amax * (1/qmax)``, and ``|deq(q) - x| <= quantization_error_bound(x, q)``;
+    1. ``backend.quantize`` of the activations: scales within ``scale_error_bound`` of the
+       reference's (one step of ``scale_dtype``: a faithful rounding of ``amax / qmax``), and
+       ``|deq(q) - x| <= quantization_error_bound(x, q)``;
     2. ``backend.scaled_mm`` of *its own* quantized activations and the (prepared) reference-
        quantized weight, against the reference's scaled_mm of the same operands, within
        ``gemm_error_bound`` for the backend's declared accumulation and output roundings;
@@ -193,6 +174,8 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
     ``min(bucket(M), 16)`` rows so the backend runs at the bucket's own small M; a weight with
     outlier, all-zero and tie rows; a bias if the case has one. K is the case's K; N is the
     case's N up to 512, else ``256 + N % 256``.
+
+    Every comparison is ``fp8ref.spec.compare`` (the one the conformance contracts make).
 
     Returns
     -------
@@ -227,7 +210,7 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
             qa = backend.quantize(xc_d, act)
             y = backend.scaled_mm(qa, prepared, bias_d, od)
             note("quantize", _check_quantized(qa, ps.x[a:b], act))
-            if math.isinf(worst["quantize"]):
+            if worst["quantize"] > 1.0:  # a wrong scale or code: the GEMM checks would only echo it
                 break
             note("scaled_mm", _same_output(backend.linear(xc_d, prepared, bias_d, od, act), y, (a, b)))
             qas.append(Quantized(qa.data.cpu(), qa.scale.cpu(), qa.scheme))
@@ -242,7 +225,7 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
         warm_t = timing.clock() - t0
         if backend.rejects_non_finite:
             note("quantize", _refuses_non_finite(backend, xc_d, prepared, ps.n_probe, bias_d, od, act))
-        if not math.isinf(worst["quantize"]):
+        if worst["quantize"] <= 1.0:
             bad = next((y for y in ys if not isinstance(y, torch.Tensor) or y.dim() != 2), None)
             if bad is not None:
                 note("scaled_mm", (math.inf, f"scaled_mm returned {type(bad).__name__} "

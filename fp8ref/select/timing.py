@@ -24,10 +24,10 @@ from .keys import m_bucket
 __all__ = ["TIME_M_CAP", "TIME_BUDGET_S", "TIME_MAX_RUNS", "SKIP_FACTOR", "RUNOFF_FACTOR", "RUNOFF_MIN_ROUNDS",
            "RUNOFF_BUDGET_S", "clock", "sync", "synthetic_weight", "timer", "time_backend", "runoff"]
 
-#: Timing uses min(bucket, TIME_M_CAP) rows and the full N, K. 128 until 2026-12-02, when on a Xeon
-#: with AMX ``cpu-fp8-amx`` ran 1.0x bf16 ``F.linear`` at 128 rows but 0.6x at 1024 (K = N = 4096)
-#: and was chosen for the 1024 bucket from its 128-row timing, where ``cpu-bf16`` ran 0.89x: how
-#: backends rank changes with M beyond 128, so the bucket is timed at its own size up to 1024.
+#: Timing uses min(bucket, TIME_M_CAP) rows and the full N, K. 128 until 2026-12-02, when a backend
+#: that tied bf16 ``F.linear`` at 128 rows was chosen for the 1024 bucket from that timing, where it
+#: was slower than ``cpu-bf16`` (docs/performance.md, "Figures behind the code"): how backends rank
+#: changes with M beyond 128, so the bucket is timed at its own size up to 1024.
 TIME_M_CAP = 1024
 #: Per-candidate timing budget in seconds (after the warm-up); at least one timed run.
 TIME_BUDGET_S = 0.15
@@ -63,9 +63,8 @@ def synthetic_weight(case: Case) -> Quantized:
     The codes' distribution matters to a kernel that decodes them: ``cpu-fp8`` takes a slower path
     for a 32-code group that holds a zero or subnormal magnitude. Uniform random codes put one in
     87 % of the groups, real and Gaussian weights in 0.3-2 % (docs/backends.md); timed on uniform
-    codes ``cpu-fp8`` lost to ``cpu-bf16`` at M = 64 on the Zen 5 EPYC, where on the bench's Gaussian
-    weights it ran 1.0-1.2x bf16 ``F.linear`` on three of the four Llama shapes and ``cpu-bf16``
-    0.88-0.97x (docs/performance.md)."""
+    codes ``cpu-fp8`` lost to ``cpu-bf16`` at M = 64 where on Gaussian weights it was the faster
+    of the two (docs/performance.md, "Figures behind the code")."""
     scheme = case.recipe.weight
     key = (case.N, case.K, scheme, case.device)
     q = _TIMING_WEIGHT.get(key)

@@ -27,6 +27,7 @@ import torch
 from .fenv import flushing, ieee_subnormals
 from .gemm import k_segments, scale_column, scaled_mm_exact
 from .quant import Quantized, expand_scale
+from .schemes import QuantScheme
 
 __all__ = [
     "U_FP64",
@@ -37,6 +38,7 @@ __all__ = [
     "precision_class",
     "unit_roundoff",
     "quantization_error_bound",
+    "scale_error_bound",
     "scale_interval",
     "conforming_quantization_error_bound",
     "reference_gemm_error_bound",
@@ -177,6 +179,38 @@ def precision_class(accumulation: Accumulation, output_roundings: int) -> Precis
     return PrecisionClass.FAST
 
 
+def scale_error_bound(reference_scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Elementwise bound on |s - s_ref| for a conforming quantizer's stored scale ``s``.
+
+    ``reference_scale`` is the spec's stored scale (``fp8ref.quantize``) for the same input: the
+    bound is computed from it, never from the scale under test.
+
+    Notes
+    -----
+    A dynamic scale is the quotient ``max(amax, floor) / qmax`` stored in ``scale_dtype``; the spec
+    rounds it correctly (once), a conforming quantizer may round it *faithfully* (to either
+    neighbour of the exact quotient on the grid of ``scale_dtype``), as ``amax * (1/qmax)`` or a
+    quotient computed in a narrower dtype does. A faithful rounding lies within one grid step of
+    the correctly rounded one, so with ``ulp(s) = 2^(e - p)`` for ``s = m 2^e``, ``m in [1/2, 1)``,
+    and ``p`` the significand bits of ``scale_dtype``::
+
+        |s - s_ref| <= ulp(s_ref)                     dynamic scales
+        s = s_ref                                     power-of-two scales (pow2_scale) and static
+                                                      schemes (the caller's scale is returned)
+
+    One grid step is the finest tolerance that admits every faithful rounding (the grid leaves
+    nothing between 0 and one step) and the coarsest that still rejects a scale off by a rounding
+    the spec does not allow (docs/spec.md §5.1). Power-of-two scales are exact because the
+    quotient is rounded *up* to a power of two, and neighbouring powers of two differ by a factor
+    of 2, not by a rounding.
+    """
+    if not scheme.dynamic or scheme.pow2_scale:
+        return torch.zeros_like(reference_scale, dtype=torch.float64)
+    p = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[scheme.scale_dtype]
+    _, e = torch.frexp(reference_scale.to(torch.float64))
+    return torch.exp2(e.to(torch.float64) - p)
+
+
 def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     """Elementwise bound on |dequantize(q) - x| for any conforming quantizer.
 
@@ -205,9 +239,6 @@ def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     return s * half_ulp + gamma(d, U_FP32) * ax + torch.clamp(ax - qmax * s, min=0)
 
 
-_SIGNIFICAND_BITS = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
-
-
 def scale_interval(ref: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s_lo, s_hi)``: the stored scales a conforming quantizer may return where the spec stores ``ref.scale``.
 
@@ -218,27 +249,17 @@ def scale_interval(ref: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
 
     Notes
     -----
-    A static scheme stores the caller's scale and a power-of-two scheme a scale that x / s makes
-    exact: s_lo = s_hi = s. A dynamic scale may differ from max(amax, floor) / qmax by the
-    roundings of its evaluation (``amax * (1/qmax)``, a narrower ``scale_dtype``): it is admitted
-    within one ulp of ``scale_dtype`` at s (the unit in the last place of s's binade, and at
-    least the dtype's smallest subnormal)::
+    The interval ``scale_error_bound`` admits around the spec's s, kept positive::
 
-        s_lo = max(s - ulp_sd(s), eta_sd),   s_hi = s + ulp_sd(s)
+        s_lo = max(s - scale_error_bound(s), eta_sd),   s_hi = s + scale_error_bound(s)
 
-    This is the rule the ``quantize.scale`` contract enforces; every bound that must hold for a
-    backend's own quantization is computed over this interval, never from the scale the backend
-    returns.
+    (eta_sd the smallest subnormal of ``scale_dtype``; s_lo = s_hi = s for static and power-of-two
+    schemes). Every bound that must hold for a backend's own quantization is computed over this
+    interval, never from the scale the backend returns.
     """
     s = ref.scale.to(torch.float64)
-    scheme = ref.scheme
-    if not scheme.dynamic or scheme.pow2_scale:
-        return s, s
-    sd = scheme.scale_dtype
-    _, e = torch.frexp(s)
-    eta_sd = _eta(sd)
-    ulp = torch.clamp(torch.exp2(e.to(torch.float64) - _SIGNIFICAND_BITS[sd]), min=eta_sd)
-    return torch.clamp(s - ulp, min=eta_sd), s + ulp
+    tol = scale_error_bound(ref.scale, ref.scheme)
+    return torch.clamp(s - tol, min=_eta(ref.scheme.scale_dtype)), s + tol
 
 
 def conforming_quantization_error_bound(x: torch.Tensor, ref: Quantized) -> torch.Tensor:

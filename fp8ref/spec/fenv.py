@@ -8,7 +8,7 @@ and fp8ref's own backends compute as if nothing were flushed, and give the calle
 setting. Left to the environment, the reference rounded a subnormal bf16 or fp32 output to 0 on the
 calling thread only, so the same call gave different bits depending on which thread ran a chunk.
 
-``flushing()`` costs one Python float multiplication (~40 ns), so the hot paths check it first and
+``flushing()`` costs one Python float multiplication, so the hot paths check it first and
 pay for ``torch.set_flush_denormal`` only when the caller flushes.
 """
 

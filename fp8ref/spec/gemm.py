@@ -114,10 +114,9 @@ def check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dt
 #: [_BLOCK_N, _TILE] block at a time into a reused buffer, each block multiplied into its column
 #: block of the result at once, so that its float64 values (2 MiB) are still in cache when
 #: ``addmm_`` reads them (a full float64 copy of the weight had made page faults the dominant cost;
-#: [N, 512] tiles, the layout before, were 16 MiB at N = 4096 and came back from memory). M = 128,
-#: K = N = 4096 on a 2-vCPU Xeon with AMX (2026-12-02, medians of 9, interleaved, fp16 route):
-#: 512 x 512 2.97-3.06x fp32 F.linear, 512 x 1024 3.07-3.40x, 256 x 512 3.22-3.49x, 1024 x 512
-#: 3.69-4.02x; the [N, 512] tiles with the table 4.05-4.37x in the same runs.
+#: [N, 512] tiles, the layout before, were 16 MiB at N = 4096 and came back from memory). Of the
+#: tile and block sizes timed against each other, 512 x 512 was the fastest (docs/performance.md,
+#: "Figures behind the code").
 _TILE = 512
 _BLOCK_N = 512
 #: The most activation codes widened at once (their buffers: 14 bytes per code, 56 MiB).
@@ -144,9 +143,8 @@ class _Route:
 
 
 #: Tiles of fewer codes take the table: the route's fixed costs (its checks, three more
-#: operations) outweigh what it saves there (with the route on every tile, best of three on a Xeon
-#: with AMX: [4, 64] x [8, 64] 0.30 ms against the table's 0.22, [16, 128] x [512, 128] 0.93
-#: against 0.65, [64, 512] x [256, 512] 2.62 against 2.67).
+#: operations) outweigh what it saves there; at about this size the two took the same time
+#: (docs/performance.md, "Figures behind the code").
 _ROUTE_MIN_CODES = 1 << 17
 
 #: Codes whose presence one reduction over the operand tells: the int8 maximum (0x7f), the uint8
@@ -218,12 +216,12 @@ class _Widener:
     buffers reused from tile to tile.
 
     Two ways, the same values (``test_widening_routes_equal_the_cast_on_every_code``): the fp16
-    route (three int16 operations and two vectorised casts: 0.76 ns per code against 1.32 ns for
-    the table, on a [512, 1024] tile of a Xeon with AMX, 2026-12-02), for tiles of at least
-    ``_ROUTE_MIN_CODES`` codes where ``_fp16_route`` allows it and the operand holds none of its
-    disagreeing codes; otherwise a 256-entry table indexed by the codes (torch's element-wise
-    FP8 -> float64 cast ran at ~0.07 G codes/s, the lookup at ~0.8), scaled by the same power of
-    two so that the tiles of one operand agree whichever way each took.
+    route (three int16 operations and two vectorised casts, the faster of the two on large tiles),
+    for tiles of at least ``_ROUTE_MIN_CODES`` codes where ``_fp16_route`` allows it and the
+    operand holds none of its disagreeing codes; otherwise a 256-entry table indexed by the codes
+    (an order of magnitude faster than torch's element-wise FP8 -> float64 cast), scaled by the
+    same power of two so that the tiles of one operand agree whichever way each took. The timings
+    are in docs/performance.md ("Figures behind the code").
     """
 
     def __init__(self, codes: torch.Tensor, fmt: Fp8Format, rows: int, width: int) -> None:

@@ -119,8 +119,9 @@ def _blocks(x: torch.Tensor, r: int, c: int) -> torch.Tensor:
 
 
 #: Elements per chunk of the quantizer's elementwise passes. Full-size fp32 temporaries of a
-#: large tensor are fresh mmap'd pages every call (page faults cost more than the arithmetic:
-#: 0.2 GB/s on a [4096, 4096] bf16 tensor here); chunks of ~4 MB are reused by the allocator.
+#: large tensor are fresh mmap'd pages every call, whose page faults cost more than the arithmetic
+#: (docs/performance.md, "Figures behind the code"); chunks of ~4 MB are reused by the
+#: allocator.
 _CHUNK_ELEMS = 1 << 20
 
 

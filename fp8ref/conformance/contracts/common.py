@@ -7,7 +7,6 @@ modules (``quantize``, ``scaled_mm``, ``linear``) import it.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 
 from ...registry import Backend, Case, backend_quantize, decline_reason
 from ...spec import quant
+from ...spec.compare import compare
 from ...spec.quant import Quantized
 from ..profiles import Profile
 from ..scope import Scope
@@ -128,8 +128,9 @@ _BACKEND_THREADS: list[int | None] = [None]
 def reference_threads():
     """Run the reference and the bounds on one thread; the backend's calls (``backend_threads``)
     get the process's thread count back. The reference's many small float64 GEMMs gain nothing
-    from threads and lose much to waking them (on a loaded 2-core machine a ci run took 8x the
-    CPU time with OMP_NUM_THREADS=2); the backend is certified as users run it."""
+    from threads and lose much to waking them (a ci run took several times the CPU time with two
+    threads: docs/performance.md, "Figures behind the code"); the backend is certified as users
+    run it."""
     outer = _BACKEND_THREADS[0]
     n = torch.get_num_threads() if outer is None else outer
     _BACKEND_THREADS[0] = n
@@ -218,22 +219,14 @@ def _first_diff(u: torch.Tensor, v: torch.Tensor) -> str:
     return f"first difference at {idx}: {u[idx].item()!r} vs {v[idx].item()!r} ({len(d)} elements differ)"
 
 
-def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> float:
-    """Raise unless |value - ref| <= bound everywhere (NaN fails); return max err/bound."""
-    v64, r64 = value.to(torch.float64), ref.to(torch.float64)
-    err = (v64 - r64).abs()
-    ok = err <= bound  # False wherever err is NaN
-    ratio = torch.where(bound > 0, err / bound, torch.where(err == 0, 0.0, math.inf))
-    ratio = torch.where(torch.isnan(err), math.inf, ratio)
-    worst = float(ratio.max()) if ratio.numel() else 0.0
-    if not bool(ok.all()):
-        idx = tuple(int(i) for i in torch.unravel_index(torch.argmax(ratio), ratio.shape))
-        n_bad = int((~ok).sum())
-        raise ContractViolation(
-            f"{what}: {n_bad} of {ok.numel()} elements outside the bound; worst at {idx}: got {v64[idx].item()!r}, "
-            f"reference {r64[idx].item()!r}, |error| {err[idx].item():.6g} > bound {bound[idx].item():.6g} "
-            f"(ratio {worst:.3g})", ratio=worst)
-    return worst
+def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, *,
+                  dtype: torch.dtype | None = None) -> float:
+    """``fp8ref.spec.compare``: raise ``ContractViolation`` with its message unless every element is
+    within the bound (and, given ``dtype``, of that dtype); return the worst error/bound ratio."""
+    verdict = compare(what, value, ref, bound, dtype=dtype)
+    if not verdict.ok:
+        raise ContractViolation(verdict.message(), ratio=verdict.ratio)
+    return verdict.ratio
 
 
 def _neg(q: Quantized) -> Quantized:

@@ -19,8 +19,9 @@ static inline float decode_compute(uint8_t c) {
   return std::ldexp((c & 0x80) ? -mag : mag, -8);  // same 2^-8 offset as the vector path
 }
 
-// Computed once: two ldexp calls per element had cost 0.8 ms per call at M = 16, K = 4096 in the
-// activation decoding, and every scalar loop (tails, the fallback) decodes per element.
+// Computed once: two ldexp calls per element had made the activation decoding slow
+// (docs/performance.md, "Figures behind the code"), and every scalar loop (tails, the fallback)
+// decodes per element.
 struct DecodeTables {
   float value[256];    // decode_compute(c): the value times 2^-8
   uint16_t bf16[256];  // the exact value's bf16 bits (<= 4 significant bits)

@@ -40,7 +40,8 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void rows_avx512_t(const float*
   }
 }
 
-// Rows in chunks of 8, 4, 2, 1 so that every accumulator stays in a register (16 spilled: 4x slower).
+// Rows in chunks of 8, 4, 2, 1 so that every accumulator stays in a register (16 rows spilled them,
+// several times slower: docs/performance.md, "Figures behind the code").
 void rows_avx512(const float* ad, int64_t M, int64_t K, const uint8_t* b, int64_t n0, int64_t n1, float* acc) {
   const int64_t ld = n1 - n0;
   int64_t m = 0;
@@ -114,10 +115,9 @@ int64_t avx2_lda(int64_t K) { return (K + 15) / 16 * 16 + 16; }
 
 // Columns per slice. Each register block runs over the whole of K, so every weight row is read
 // as one sequential stream. K chunks of 256 (the slice's codes kept in L1 across row blocks) had
-// gained in cache on an earlier AVX2 EPYC (one thread, N = 64, M = 8..32) but on the 2-vCPU Zen 3
-// of docs/performance.md they cost 1.08-1.78x with the weights from memory (K = N = 4096 and
-// K = 14336, N = 4096, M = 1..128; the weight then streamed in 256-byte pieces of 16 rows at a
-// time) and gained nothing in cache (N = 64 and 256: 1.01-1.09x without them).
+// gained with the weight in cache on one AVX2 CPU, but on another they were slower with the
+// weights from memory (the weight then streamed in 256-byte pieces of 16 rows at a time) and
+// gained nothing in cache (docs/performance.md, "Figures behind the code").
 constexpr int64_t kSliceCols = 16;
 
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* ad, int64_t M, int64_t K, const uint8_t* b,

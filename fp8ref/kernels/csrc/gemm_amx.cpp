@@ -57,11 +57,10 @@ using amx::TileConfig;
 
 // K pairs per K chunk (K = 2048 values): with more than 32 rows, the chunk's two decoded B panels
 // (2 x 2 column blocks x 1024 pairs x 64 bytes = 256 KiB) and the A tiles of a 256-row panel (1 MiB)
-// stay in L2. Measured on a Xeon with AMX (2 vCPUs, K = N = 4096), one run each: 256 / 512 / 1024 /
-// 2048 pairs gave 0.97 / 1.08 / 1.25 / 0.93x bf16 F.linear at M = 128 and 0.86 / 0.82 / 0.98 /
-// 0.93x at M = 256 with the first version of this blocking (2026-12-02); with the A tiles in tile
-// order and aligned, 256 / 512 / 1024 gave 28.4 / 32.8 / 23.3 ms at M = 1024. Smaller chunks with 1024-row panels (the weight
-// decoded once instead of four times) took 37-39 ms: C then goes to and from DRAM every 256 pairs.
+// stay in L2. 1024 pairs was the fastest of the sizes tried (256 to 2048) at M = 128, 256 and 1024;
+// smaller chunks with 1024-row panels (the weight decoded once instead of four times) were slower
+// still: C then goes to and from DRAM every 256 pairs (docs/performance.md, "Figures behind the
+// code").
 constexpr int64_t kChunkPairs = 1024;
 // Rows per row chunk (two A tiles), and columns per work item (two column blocks): the fp32 buffer
 // of C is [rows][kGroupCols].
@@ -99,7 +98,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void decode_panel_avx512(
   for (int64_t p = p0; p < p1; ++p, dst += 32) {
     // One branch-free decode for every pair: a branch on sp[p] (pack_weight's zero-or-subnormal
     // flag) cost more than the table lookup it saved (a third of a random weight's pairs hold a
-    // zero, so the branch mispredicts; 1.47 -> 0.98 ms at M = 1, K = N = 4096, on a Xeon with AMX).
+    // zero, so the branch mispredicts; docs/performance.md, "Figures behind the code").
     _mm512_storeu_si512(dst, p >= K2 ? _mm512_setzero_si512() : decode32_bf16(pb + p * 32));
   }
 }
@@ -113,8 +112,8 @@ void decode_panel_scalar(const uint8_t* pb, const uint8_t*, int64_t p0, int64_t 
 // block by row block ([chunk][row block][step in the chunk][16][32] bf16), so that a K chunk's A
 // tiles are one contiguous region (1 MiB for a 256-row panel). Row block by row block over all of
 // K had put each row block's part of a chunk at a stride of twice its size, a power of two (128 KiB
-// at K = 4096) that maps every part to the same half of L2's sets: without any decoding, 4.5 ms at
-// M = 256 where 128 rows took 1.5 (K = N = 4096, a Xeon with AMX).
+// at K = 4096) that maps every part to the same half of L2's sets: without any decoding, 256 rows
+// took three times as long as 128 (docs/performance.md, "Figures behind the code").
 inline int64_t a_tile_offset(int64_t rb, int64_t s, int64_t row_blocks, int64_t steps) {
   constexpr int64_t cs = kChunkPairs / 16;
   const int64_t c = s / cs, steps_c = std::min(cs, steps - c * cs);
@@ -148,12 +147,12 @@ void decode_a_row(const uint8_t* row, int64_t K, int64_t m, int64_t row_blocks, 
 }
 
 // Every tile's memory (A tiles, the decoded B panels, C buffers) starts on a 64-byte line: a tile
-// load whose 64-byte rows straddle two lines took 2.6x as long (17-18 ns instead of 6.6 ns per
-// TDPBF16PS with its share of loads, from L1, on a Xeon with AMX); malloc aligns to 16. And it is a
+// load whose 64-byte rows straddle two lines took more than twice as long, from L1
+// (docs/performance.md, "Figures behind the code"); malloc aligns to 16. And it is a
 // thread's scratch, kept from call to call (grown, never shrunk): buffers made per call came from
 // fresh pages (glibc maps blocks of 128 KiB and more anew), and the page faults on their first
-// touch, with the tiles configured, took a third of a call: 28-32 ms instead of 19-20 ms at M =
-// 1024, K = N = 4096, half the calls. What a thread keeps: its B panels (2 x 128 KiB), the C sums
+// touch, with the tiles configured, took a third of a call in half the calls at M = 1024. What a
+// thread keeps: its B panels (2 x 128 KiB), the C sums
 // of its work items for a row panel (256 rows x its share of N x 4 bytes: 2 MiB of N = 4096 on two
 // threads) and, on the calling thread, the A tiles of a row panel (256 x 2 K bytes).
 struct AlignedFree {
@@ -192,8 +191,8 @@ inline void decode_b_tile(DecodePairs fn, const uint8_t* codes, const uint8_t* f
 // The B panel of one (K chunk, work item) decoded a few tiles at a time: more than 32 rows decode
 // the next one's panel while they run the tiles over the current one, a quota per tile step spread
 // over all of its row chunks, so that no tile load waits on a decode and the code stream overlaps
-// the tiles (decoding it ahead of the first row chunk instead cost 1.1-1.5 ms per pass over the
-// weight at M = 128..512, against 0.6-0.8 ms when the same decode overlaps a small M's tiles). Tile
+// the tiles (decoding it ahead of the first row chunk instead cost about twice what the same
+// decode costs overlapping a small M's tiles: docs/performance.md, "Figures behind the code"). Tile
 // t is block t % nt at step t / nt; the codes are prefetched kPrefetchSteps steps ahead.
 struct PanelFill {
   const uint8_t* codes[2] = {nullptr, nullptr};
@@ -349,12 +348,12 @@ void run_groups_single(const Problem& P, int64_t g0, int64_t g1) {
 // More than 32 rows: K chunk by K chunk, and within a chunk work item by work item, so that the
 // chunk's A tiles (1 MiB at 256 rows) stay in L2 while every work item of the thread runs over
 // them. (Work items outside, K chunks inside, had read all of A, 2 MiB at 256 rows, from beyond L2
-// for every work item: 4.5 ms at M = 256 without any decoding, where 128 rows took 1.5; K = N =
-// 4096, a Xeon with AMX.) Two B panels alternate: every row chunk runs its tiles over the current
+// for every work item: without any decoding, 256 rows took three times as long as 128.) Two B
+// panels alternate: every row chunk runs its tiles over the current
 // (K chunk, work item)'s panel and decodes its quota of the next one's (PanelFill). C sums wait
 // between K chunks in the thread's scratch ([work item][rows][32] fp32), not in the output: the
 // output's pages are new on most calls, and their first touch by tile stores with the tiles
-// configured made half the calls at M = 1024 take 24 ms instead of 17; the epilogue writes the
+// configured made half the calls at M = 1024 take 40 % longer; the epilogue writes the
 // output after the tiles are released.
 template <class T>
 void run_groups_multi(const Problem& P, int64_t g0, int64_t g1) {

@@ -19,8 +19,8 @@
 // leaves the normal range, and nothing does (products are multiples of 2^-18 below 2^18, so scaled
 // partial sums are multiples of 2^-74 and never subnormal, and the instruction's DAZ/FTZ never
 // acts; the largest scaled pair is 448 * 2^64). The epilogue multiplies the sum by 2^56 (exact)
-// before the scales: the same bits as unscaled operands. On the Zen 5 EPYC the decode had cost six
-// instructions per 32 codes, the bound of the M = 1 rows (docs/performance.md).
+// before the scales: the same bits as unscaled operands. The decode had cost six instructions per
+// 32 codes, which bounded the M = 1 rows (docs/performance.md, "Figures behind the code").
 #include <cpuid.h>
 
 #include <algorithm>
@@ -33,7 +33,7 @@ namespace {
 
 // acc += b . broadcast(*a): vdpbf16ps with an embedded {1to16} memory broadcast. Written in asm
 // because GCC emits a separate vpbroadcastd, which competes with vdpbf16ps for the vector pipes
-// (measured: 35 cycles per 16 dot products instead of about 16).
+// (about twice the cycles per dot product: docs/performance.md, "Figures behind the code").
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dpbf16_bcast(__m512& acc, __m512bh b,
                                                                                  const uint32_t* a) {
   asm("vdpbf16ps %[a]%{1to16%}, %[b], %[acc]" : [acc] "+v"(acc) : [b] "v"(b), [a] "m"(*a));
@@ -41,22 +41,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dpbf16_bcast(
 
 // Bytes of packed weight prefetched ahead of the K-step being decoded (each K-step reads 32), one
 // prefetch per 64-byte line (per K-step where a block keeps one chain: its 16 rows are slow enough).
-// On the 2-vCPU AMD EPYC Zen 5 (weights streamed from DRAM, K, N = 4096, 14336) the hardware
-// prefetcher alone left M = 8..16 rows waiting on memory: 4.7-4.8 ms at M = 16 without, 3.0-3.4
-// with 2048 bytes (then one prefetch per 256 bytes at M = 1). The M = 1..4 rows, whose decode is
-// cheap, needed more: one line in four 2048 bytes ahead, M = 1: 1.5-2.2 ms; every line 4096 ahead
-// 1.5; 8192 1.0-1.4, as fast as an int64 sum of the same bytes; 12288 and 16384 no better; M = 16
-// the same at every distance (docs/performance.md).
+// With the weights streamed from DRAM, the hardware prefetcher alone left M = 8..16 rows waiting on
+// memory, and the M = 1..4 rows, whose decode is cheap, needed the prefetch further ahead: 8192
+// bytes streamed as fast as an int64 sum of the same bytes, longer distances were no better, and
+// M = 16 ran the same at every distance (docs/performance.md, "Figures behind the code").
 constexpr int64_t kPrefetch = 8192;
 
 // Whether the blocks of at most 4 rows prefetch into L2 (prefetcht1) instead of L1 (prefetcht0):
-// on AMD family 25 (Zen 4: the family's CPUs with avx512_bf16; Zen 3 never runs this file). On the
-// 2-vCPU Zen 4 EPYC (family 25 model 17), weights streamed from DRAM (K x N = 14336 x 4096, 4096 x
-// 14336, 4096 x 6144), the two builds side by side in one process, paired medians of 21 rounds:
-// M = 1 1.07-1.19x faster with T1, M = 4 1.08-1.33x, M = 8 1.03-1.06x, but M = 16 0.90-1.01x
-// (so the 8- and 16-row blocks keep T0); in L3 (K = N = 4096) 0.98-1.05x. Elsewhere T0 stays: on
-// the Zen 5 EPYC it already streamed as fast as an int64 sum of the same bytes, and no other CPU
-// has measured T1 (docs/performance.md).
+// on AMD family 25 (the family's CPUs that have avx512_bf16 and so run this file). There, with the
+// weights streamed from DRAM, T1 made M = 1..4 faster and M = 16 no faster (so the 8- and 16-row
+// blocks keep T0), and changed nothing in L3. Elsewhere T0 stays: on AMD family 26 it already
+// streamed as fast as an int64 sum of the same bytes, and no other CPU has measured T1
+// (docs/performance.md, "Figures behind the code").
 bool prefetch_to_l2() {
   static const bool zen4 = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -169,7 +165,8 @@ inline uint32_t bf16_scaled(uint32_t b, int shift) { return (b & 0x7FFF) ? b + (
 // ahi[p * M + m] = (bf16(a[m, 2p + 1]) << 16) | bf16(a[m, 2p]), both values times 2^kHiShift, with
 // a[m, K] = 0 when K is odd, and alo the same times 2^kLoShift (header comment): 32 codes of a row
 // decoded at once (decode32_bf16: 16 pairs), scaled, and scattered to their K-steps. The scalar
-// loop this replaced cost ~60 us per call at M = 16, K = 4096 (6 % of the call).
+// loop this replaced was a visible share of a decode-sized call (docs/performance.md, "Figures
+// behind the code").
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void build_pairs(const uint8_t* a, int64_t M, int64_t K,
                                                                          uint32_t* ahi, uint32_t* alo) {
   const int64_t K2 = (K + 1) / 2, K32 = K - K % 32;

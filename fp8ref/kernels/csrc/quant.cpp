@@ -85,8 +85,8 @@ inline MagicRound magic_round(const Fp8Params& f) {
 
 // What one call quantizes with: the format, the clamp value, and the rounding constants made from
 // the format once per call. magic_round calls ldexp (a libm call the compiler cannot hoist); made
-// per 128-element group it had cost ~45 % of the time of 1 x 128 group scales (one Zen 5 core,
-// [1024, 4096] bf16: 2.3-2.4 G elements/s with it per group, 4.4-4.5 once per call).
+// per 128-element group it had cost nearly half the time of 1 x 128 group scales
+// (docs/performance.md, "Figures behind the code").
 struct Job {
   Fp8Params f;
   float qmax;
@@ -255,7 +255,7 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void quant_avx
 
 // ---- bf16 to FP8 codes on AVX2 (mode 0, the case every CPU backend's quantize runs) ----
 // The arithmetic of quant8_avx2 below in fewer instructions (46 per 32 elements, 84 before; on the
-// 2-vCPU Zen 3 of docs/performance.md the loop is bound by its instruction count):
+// AVX2 CPU measured the loop is bound by its instruction count: docs/performance.md):
 // - The split. A 32-bit lane of 16 loaded bf16 holds two elements, the even one in its low half:
 //   |even| is the lane's magnitude bits shifted left by 16, |odd| the lane with its low half
 //   cleared, both exact fp32 (no unpacking shuffles). Dividing magnitudes makes v = |x| / s >= 0.
@@ -412,8 +412,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void quant_avx2(c
 
 // The row-segment bodies above, run over the consecutive groups of c elements of a segment of n:
 // always inlined into one loop per code path, so the constants they broadcast are made once per
-// segment rather than once per group (1 x 128 groups ran at ~70 % of per-row speed before: the
-// `fp8ref bench` medians on the Intel Xeon of docs/performance.md, 28 % vs 40 % of copy).
+// segment rather than once per group (1 x 128 groups ran well below per-row speed before:
+// docs/performance.md, "Figures behind the code").
 // amax[g] and bad[g] accumulate (max, or) over calls; a group whose scale s[g] is 0 is skipped.
 using AmaxFn = void (*)(const void*, int64_t, int64_t, float*, char*);
 using QuantFn = void (*)(const void*, int64_t, int64_t, const float*, const Job&, void*);
@@ -573,12 +573,13 @@ void block_scales_plain(const float* a, const char* bad, int64_t n, float qmax, 
 }
 
 // block_scale on 8 blocks per step (with the per-group amax reductions, the scalar scales had cost
-// ~40 cycles per 1 x 128 group beyond a row's work on the 2-vCPU Zen 3; ~14 with this and
-// amax_groups16_avx2): the same IEEE operations in the same order; the maxima as std::max's (the
-// amaxes of kept blocks are never NaN); the power of two at or above
-// a positive s (frexp/ldexp above) as bits(s) + 0x7FFFFF with the mantissa field cleared, exact
-// for normal and subnormal s (a subnormal becomes FLT_MIN, as the max with FLT_MIN makes it
-// anyway) and +inf for s above 2^127 (which the finiteness test then drops, as ldexp's +inf).
+// about three times the cycles per 1 x 128 group beyond a row's work that remain with this and
+// amax_groups16_avx2: docs/performance.md, "Figures behind the code"): the same IEEE operations in
+// the same order; the maxima as std::max's (the amaxes of kept blocks are never NaN); the power of
+// two at or above a positive s (frexp/ldexp above) as bits(s) + 0x7FFFFF with the mantissa field
+// cleared, exact for normal and subnormal s (a subnormal becomes FLT_MIN, as the max with FLT_MIN
+// makes it anyway) and +inf for s above 2^127 (which the finiteness test then drops, as ldexp's
+// +inf).
 __attribute__((target("avx2,fma,f16c"))) void block_scales_avx2(const float* a, const char* bad, int64_t n, float qmax,
                                                                 float floor, bool pow2, float* s, float* scale,
                                                                 float* amax_out) {
@@ -704,9 +705,8 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
   // Taller blocks: work items are strips of r rows by a run of `cb` whole blocks (about 4096
   // columns). Both passes (the blocks' amaxes, then the quantization) walk the strip row by row,
   // so each row segment is one sequential stream. Walking one r x c block at a time instead read
-  // r short segments a row pitch apart: 128 x 128 blocks of a [4096, 4096] bf16 weight, one
-  // thread, CPU time on the loaded AVX2 EPYC: 1.9-3.6 GB/s that way, 4.2-4.3 with 4096-column
-  // runs, 3.3 with 1024-column runs (whose second pass should hit L2; it did not pay).
+  // r short segments a row pitch apart, clearly slower; 1024-column runs (whose second pass should
+  // hit L2) did not pay either (docs/performance.md, "Figures behind the code").
   const int64_t cb = std::max<int64_t>(1, 4096 / c), runs = (C + cb - 1) / cb;
   at::parallel_for(0, R * runs, 1, [&](int64_t i0, int64_t i1) {
     const CsrGuard csr;
