@@ -21,6 +21,8 @@ generated for the profile and the backend, organised in sections, one per class 
   amax floor whose scale computation underflows or lands in the subnormal range (fp32, bf16 and fp16
   scale and compute dtypes, subnormal scales); GEMM outputs in the subnormal range of each output
   dtype (scales near 2**-70, fp16 outputs near 2**-20);
+* **repeated calls**: linear items in pairs of one shape and recipe, the second 2**8 times larger
+  (a scale kept from the previous call clips it);
 * **exhaustive**: every bf16 and fp16 bit pattern through each quantizer (per-row, per-tensor,
   group, E5M2, E4M3FNUZ), and every positive bf16 value as a row's amax under each dynamic per-row
   scheme: one call of up to 261k elements each, run by ``quantize.codes`` and ``quantize.scale``
@@ -479,6 +481,12 @@ def _linear_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[L
     for i, fam in enumerate(("underflow", "ties", "qmax", "dynamic_range", "heavy", "zero_rows")):
         yield cands((4, 2, 16)[i % 3], (8, 33, 3)[i % 3], (32, 17, 64)[i % 3], TensorSpec(fam, 0, 1200 + i, "last"),
                     w_spec, main, i + 3)
+    # repeated calls: the same shape and recipe twice in a row, the second 2**8 times larger, so a
+    # scale (or anything derived from x) kept from the previous call clips the second
+    for i, (M, N, K) in enumerate(((3, 5, 40), (16, 4, 130), (1, 8, 64))):
+        for exp in (-4, 4):
+            yield cands(M, N, K, TensorSpec(("normal", "outliers", "spike")[i], exp, 1300 + i, "last"), w_spec, main,
+                        i + 7)
 
 
 # --------------------------------------------------------------------------------------------
