@@ -54,6 +54,7 @@ from ..spec.formats import E4M3FNUZ, E5M2
 from ..spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
 from .problems import (
     EXHAUSTIVE_FAMILIES,
+    MAGNITUDES,
     STATIC_KINDS,
     CodeSpec,
     GemmProblem,
@@ -123,15 +124,6 @@ _STATIC_SCHEMES: tuple[QuantScheme, ...] = (
     _qs(format=E5M2, granularity="row", dynamic=False),
     _qs(format=E4M3FNUZ, granularity="tensor", dynamic=False),
 )
-#: Powers of two of the magnitude sweep, per input dtype: below the smallest subnormal (2**-149
-#: fp32, 2**-133 bf16, 2**-24 fp16), through the subnormals and the normal range, to near the
-#: largest power of two whose normal draws stay finite. amax / qmax underflows in fp32 below
-#: 2**-141, in bf16 below 2**-124, in fp16 below 2**-15.
-MAGNITUDES: dict[torch.dtype, tuple[int, ...]] = {
-    _f32: (-149, -146, -143, -140, -134, -127, -120, -64, 0, 64, 120),
-    _bf16: (-133, -130, -127, -124, -120, -64, 0, 64, 120),
-    _f16: (-24, -22, -18, -15, -12, -6, 0, 8, 13),
-}
 #: Dynamic schemes with no amax floor: where the scale computation underflows (fp32, bf16 or fp16
 #: compute dtype), lands in the subnormal range (subnormal scales kept), or overflows (fp16 scales:
 #: the spec refuses, the driver discards).

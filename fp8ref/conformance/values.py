@@ -42,8 +42,8 @@ from ..spec.formats import Fp8Format
 from ..spec.quant import Quantized, compute_scale
 from ..spec.schemes import QuantScheme
 
-__all__ = ["VALUE_FAMILIES", "EXHAUSTIVE_FAMILIES", "exhaustive_shape", "GRID_FAMILIES", "CODE_FAMILIES", "PLACES",
-           "STATIC_KINDS", "BIAS_MODES", "TensorSpec",
+__all__ = ["VALUE_FAMILIES", "EXHAUSTIVE_FAMILIES", "MAGNITUDES", "exhaustive_shape", "GRID_FAMILIES",
+           "CODE_FAMILIES", "PLACES", "STATIC_KINDS", "BIAS_MODES", "TensorSpec",
            "CodeSpec", "make_tensor", "make_codes", "anchor_blocks", "static_scale", "place_index", "swamp_ok",
            "dname"]
 
@@ -111,6 +111,18 @@ class TensorSpec:
     def __repr__(self) -> str:
         at = f"@{self.place}" if self.place else ""
         return f"{self.family}{at}(2**{self.exp}, seed={self.seed})"
+
+
+#: Powers of two across the whole exponent range of each input dtype: below the smallest subnormal
+#: (2**-149 fp32, 2**-133 bf16, 2**-24 fp16), through the subnormals and the normal range, to near
+#: the largest power of two whose normal draws stay finite. amax / qmax underflows in fp32 below
+#: 2**-141, in bf16 below 2**-124, in fp16 below 2**-15. The magnitude sweep runs each; the search
+#: draws them a quarter of the time.
+MAGNITUDES: dict[torch.dtype, tuple[int, ...]] = {
+    torch.float32: (-149, -146, -143, -140, -134, -127, -120, -64, 0, 64, 120),
+    torch.bfloat16: (-133, -130, -127, -124, -120, -64, 0, 64, 120),
+    torch.float16: (-24, -22, -18, -15, -12, -6, 0, 8, 13),
+}
 
 
 def _exp_range(dtype: torch.dtype) -> tuple[int, int]:
