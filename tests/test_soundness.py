@@ -129,3 +129,23 @@ def test_cli_replays_a_counterexample(tmp_path, capsys):
     assert "counterexample: linear" in capsys.readouterr().out and out.exists()
     assert cli_main(["conformance", "--replay", "{not json"]) == 2
     assert cli_main(["conformance", "--write-script", str(out)]) == 2
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-fast"])
+def test_torch_backends_keep_subnormal_bf16_outputs(name):
+    """torch._scaled_mm (CPU) with tensor-wise scales flushes subnormal bf16 outputs on some CPUs
+    (tests/findings/test_torch_scaled_mm_subnormal.py); the backends round the fp32 result once."""
+    from fp8ref.registry import get_backend
+    from fp8ref.spec.gemm import scaled_mm
+
+    be = get_backend(name)
+    if be.available() is not None:
+        pytest.skip(be.available())
+    a = torch.zeros(16, 32)
+    a[0, 0] = 448.0
+    scheme = QuantScheme(granularity="tensor", dynamic=False)
+    qa = quantize(a, scheme, torch.tensor(2.0**-72))
+    qb = quantize(a, scheme, torch.tensor(2.0**-72))  # y[0, 0] = 448 * 448 * 2**-144 ~ 2**-126.4: subnormal
+    y = be.scaled_mm(qa, be.prepare_weight(qb), None, torch.bfloat16)
+    want = scaled_mm(qa, qb, None, out_dtype=torch.bfloat16)
+    assert want[0, 0].item() != 0 and torch.equal(y.view(torch.int16), want.view(torch.int16))
