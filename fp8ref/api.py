@@ -1,153 +1,41 @@
-"""``fp8ref.linear`` and ``fp8ref.explain``, the reference linear, and the argument checks all three
-make first.
+"""``fp8ref.linear`` and ``fp8ref.explain``, and the reference linear.
 
 Every entry point that takes a caller's tensors (``linear``, ``explain``, ``reference_linear``, and
-through ``linear`` ``Fp8Linear``) checks them with the functions of the first section before any
-selection, probe or kernel runs: types and dtypes, shapes, the output dtype, whether a gradient is
-asked for, then NaN/Inf. Each error names the offending argument. The checks of a weight run once
-per weight (they are cached with its quantized form); the per-call checks cost a few microseconds.
+through ``linear`` ``Fp8Linear``) checks them with ``fp8ref.spec.checks`` before any selection,
+probe or kernel runs: types, layouts and devices, dtypes, shapes, the output dtype, then NaN/Inf.
+Each error names the offending argument. The checks of a weight run once per weight (they are
+cached with its quantized form); the per-call checks cost a few microseconds.
 """
 
 from __future__ import annotations
 
 import os as _os
 import weakref as _weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from . import select as _select
-from .kernels._common import BIAS_NON_FINITE, check_codes, check_finite
 from .registry import Backend as _Backend
 from .registry import Case as _Case
+from .spec.checks import X_DTYPES, check_call, check_linear_args, check_values, check_weight, check_x
 from .spec.fenv import flushing as _flushing
 from .spec.fenv import ieee_subnormals as _ieee_subnormals
-from .spec.gemm import OUT_DTYPES, scaled_mm
+from .spec.gemm import scaled_mm
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
 __all__ = ["reference_linear", "quantize_weight", "flatten_activations", "linear", "explain", "clear_weight_cache",
-           "tensor_version", "check_linear_args", "check_finite", "check_codes", "X_DTYPES"]
+           "tensor_version", "check_linear_args", "X_DTYPES", "WEIGHT_CHECKS", "ENV_WEIGHT_CHECK", "DispatchKey"]
 
-#: The activation dtypes ``fp8ref.linear`` takes: the reference quantizer's inputs.
-X_DTYPES = _select.X_DTYPES
-
-
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and dtype.itemsize == 1
-
-
-# --------------------------------------------------------------------------------------------
-# Argument checks: one set for every entry point, in the order a caller should hear about them
-# (check_codes, for a Quantized weight, lives beside check_finite in kernels/_common).
-
-
-_META = "fp8ref computes on values (the scales depend on them), so there is no shape-only (meta) run"
-
-
-def _check_x(x) -> None:
-    """Type, dtype and rank of the activations (cheap: every call)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor [..., K], got {type(x).__name__}")
-    if x.dtype not in X_DTYPES:
-        if _is_fp8(x.dtype):
-            raise TypeError(f"x is an FP8 tensor ({x.dtype}): fp8ref.linear quantizes float activations itself; "
-                            "pass them in float32, float16, bfloat16 or float64 (for quantized operands use "
-                            "fp8ref.scaled_mm)")
-        raise TypeError(f"x must have a float dtype {[str(d) for d in X_DTYPES]}, got {x.dtype}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dim [..., K], got a 0-d tensor")
-    if x.device.type == "meta":
-        raise ValueError(f"x is on the meta device, which holds no values: {_META}")
-
-
-def _check_weight(w, recipe: Recipe) -> None:
-    """Type, dtype, shape and values of the weight (once per weight: the result is cached)."""
-    if isinstance(w, Quantized):
-        if w.scheme != recipe.weight:
-            raise ValueError(f"w was quantized as {w.scheme.short_str()}, recipe {recipe.name} expects "
-                             f"{recipe.weight.short_str()}")
-        if w.data.device.type == "meta":
-            raise ValueError(f"w is on the meta device, which holds no values: {_META}")
-        if w.data.shape[1] == 0:
-            raise ValueError(f"w has 0 columns (shape {tuple(w.data.shape)}): the reduction dim K must be at least 1")
-        check_codes(w, "w")
-        return
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"w must be a float torch.Tensor [N, K] or an fp8ref.Quantized, got {type(w).__name__}")
-    if _is_fp8(w.dtype):
-        raise TypeError(f"w is an FP8 tensor ({w.dtype}) without its scales: pass the float weight (fp8ref.linear "
-                        "quantizes it once), or fp8ref.Quantized(codes, scale, recipe.weight)")
-    if w.dim() != 2:
-        raise ValueError(f"w must be 2-D [N, K], got shape {tuple(w.shape)}")
-    if w.device.type == "meta":
-        raise ValueError(f"w is on the meta device, which holds no values: {_META}")
-    check_float_input(w, "w")
-
-
-def _check_call(x: torch.Tensor, N: int, K: int, w_device: torch.device, bias, out_dtype) -> torch.dtype:
-    """The per-call checks after the weight's: shapes, devices, bias, output dtype (``_check_values``
-    then scans the values). Returns the output dtype."""
-    if x.shape[-1] != K:
-        raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but w is [{N}, {K}]")
-    if x.device != w_device:
-        raise ValueError(f"x is on {x.device} but the weight is on {w_device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a float torch.Tensor [N] or None, got {type(bias).__name__}")
-        if not bias.is_floating_point() or _is_fp8(bias.dtype):
-            raise TypeError(f"bias must have a float dtype, got {bias.dtype}")
-        if tuple(bias.shape) != (N,):
-            raise ValueError(f"bias must have shape ({N},) = [N], got {tuple(bias.shape)}")
-        if bias.device != x.device:
-            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
-    od = x.dtype if out_dtype is None else out_dtype
-    if od not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]} (or None: x's dtype), got {od}")
-    return od
-
-
-def _check_values(x: torch.Tensor, bias) -> None:
-    """NaN/Inf in x or bias: the last of the caller's checks (one reduction each)."""
-    check_finite(x, "x", "FP8 quantization of NaN/Inf is undefined")
-    if bias is not None:
-        check_finite(bias, "bias", BIAS_NON_FINITE)
-
-
-def check_linear_args(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
-                      recipe: Recipe | str = W8A8_FP8,
-                      out_dtype: torch.dtype | None = None) -> tuple[Recipe, torch.dtype]:
-    """Check the arguments of a linear ``y = x w^T + bias`` and return ``(recipe, out_dtype)``.
-
-    What ``fp8ref.linear``, ``fp8ref.explain`` and ``reference_linear`` check before anything else
-    runs, in this order: x's type, dtype (float32/16, bfloat16, float64; not FP8), rank and device
-    (not meta); the recipe; w's type, dtype, shape, device, values (float: finite; ``Quantized``: its
-    scheme is the recipe's, no NaN/Inf codes, finite positive scales); x's K and device against w's;
-    bias's type, dtype, shape [N] and device; ``out_dtype``; NaN/Inf in x and bias.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Naming the offending argument.
-
-    Examples
-    --------
-    >>> import torch, fp8ref
-    >>> from fp8ref.api import check_linear_args
-    >>> check_linear_args(torch.randn(2, 8), torch.randn(4, 8))[1]
-    torch.float32
-    >>> check_linear_args(torch.randn(2, 8), torch.randn(4, 8), torch.zeros(5))
-    Traceback (most recent call last):
-    ...
-    ValueError: bias must have shape (4,) = [N], got (5,)
-    """
-    _check_x(x)
-    recipe = get_recipe(recipe)
-    _check_weight(w, recipe)
-    wt = w.data if isinstance(w, Quantized) else w
-    N, K = wt.shape
-    od = _check_call(x, N, K, wt.device, bias, out_dtype)
-    _check_values(x, bias)
-    return recipe, od
+#: How ``fp8ref.linear`` notices that a cached weight changed: ``"version"`` (default: identity,
+#: torch's version counters and storage pointers; O(1)) or ``"content"`` (also the weight's bytes
+#: against a kept copy, every call: sees writes torch does not count). docs/selection.md.
+WEIGHT_CHECKS = ("version", "content")
+#: Environment variable giving the default of ``weight_check``.
+ENV_WEIGHT_CHECK = "FP8REF_WEIGHT_CHECK"
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,32 +138,63 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.T
 # --------------------------------------------------------------------------------------------
 # fp8ref.linear: the user-facing call, dispatched to the selected backend.
 #
-# Hot path (after the first call for a weight and a case): one dict lookup for the weight
-# (keyed by id, checked against a weakref and the tensor's version counter), one for the
-# dispatch (M bucket, dtypes, bias, backend, precision, env), then the backend's own calls.
+# Hot path (after the first call for a weight and a case): one dict lookup for the weight (keyed
+# by id, checked against a weakref, the version counters and storage pointers, and under
+# weight_check="content" the bytes), one for the dispatch (a DispatchKey), then the backend's call.
+
+
+class DispatchKey(NamedTuple):
+    """Everything besides the weight that decides which backend runs a call. The hot path builds
+    the plain tuple in this field order (a NamedTuple's constructor costs more than the tuple, and
+    equal tuples hash alike); a table miss names it with ``DispatchKey._make``."""
+
+    m_bucket: int  #: bit length of M - 1 (0 for M <= 1): the selector's power-of-two bucket
+    x_dtype: torch.dtype
+    out_dtype: torch.dtype
+    has_bias: bool
+    backend: str  #: "auto" or a name
+    precision: str
+    device: torch.device
+    candidates: tuple[str, ...] | None  #: ``candidates=`` of the call
+    forced: str | None  #: FP8REF_BACKEND
+    env_candidates: str | None  #: FP8REF_CANDIDATES
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One checked call, as a (re)selection needs it: built when the dispatch table misses and
+    when a backend raises, never on the hot path."""
+
+    x: torch.Tensor  #: the caller's x (errors name its own indices, not the flattened view's)
+    x2: torch.Tensor  #: x as [M, K]
+    bias: torch.Tensor | None
+    out_dtype: torch.dtype
+    key: DispatchKey
 
 
 class _Dispatch:
     __slots__ = ("backend", "prepared", "scheme", "auto", "key", "generation")
 
-    def __init__(self, backend: _Backend, prepared, scheme, auto: bool, key: str | None, generation: int):
+    def __init__(self, backend: _Backend, prepared, scheme, decision_key: str | None, generation: int):
         self.backend, self.prepared, self.scheme = backend, prepared, scheme
-        self.auto, self.key, self.generation = auto, key, generation
+        self.auto, self.key, self.generation = decision_key is not None, decision_key, generation
 
 
 class _WeightEntry:
-    """One weight under one recipe: its Quantized form, per-backend prepared forms, dispatches."""
+    """One weight under one recipe: its Quantized form, per-backend prepared forms, dispatches, and
+    under ``weight_check="content"`` a private copy of the weight's bytes."""
 
-    __slots__ = ("ref", "version", "recipe", "qw", "N", "K", "prepared", "dispatch", "is_tensor", "__weakref__")
+    __slots__ = ("ref", "version", "recipe", "qw", "N", "K", "prepared", "dispatch", "kept", "check", "__weakref__")
 
-    def __init__(self, ref, version, recipe: Recipe, qw: Quantized, is_tensor: bool):
-        self.ref, self.version, self.recipe, self.qw, self.is_tensor = ref, version, recipe, qw, is_tensor
+    def __init__(self, ref, version, recipe: Recipe, qw: Quantized, kept: tuple[torch.Tensor, ...] | None):
+        self.ref, self.version, self.recipe, self.qw, self.kept = ref, version, recipe, qw, kept
+        self.check = "version" if kept is None else "content"
         self.N, self.K = qw.data.shape
         self.prepared: dict[str, object] = {}
         self.dispatch: dict[tuple, _Dispatch] = {}
 
 
-_WEIGHTS: dict[tuple[int, int], _WeightEntry] = {}
+_WEIGHTS: dict[tuple[int, object], _WeightEntry] = {}
 #: Counts weight quantizations and prepare_weight calls (tests check the cache is used).
 STATS = {"quantize_weight": 0, "prepare_weight": 0}
 
@@ -287,29 +206,73 @@ def clear_weight_cache() -> None:
 
 def tensor_version(t: torch.Tensor) -> int:
     """``t._version``, or -1 for an inference tensor, which has no version counter (an in-place
-    change to such a weight inside ``torch.inference_mode`` is not seen: call
-    ``clear_weight_cache()`` after one)."""
+    change to such a weight inside ``torch.inference_mode`` is not seen under
+    ``weight_check="version"``)."""
     try:
         return t._version
     except RuntimeError:
         return -1
 
 
-def _version(w) -> object:
+def _sources(w) -> tuple[torch.Tensor, ...]:
+    """The caller's tensors a cached weight is computed from."""
+    return (w.data, w.scale) if isinstance(w, Quantized) else (w,)
+
+
+def _version(w) -> tuple:
+    """What torch counts about ``w``'s tensors: version counters, storage pointers and strides
+    (``.data =``, ``set_`` and ``.to`` change the pointer; in-place ops through w or a view of it,
+    ``copy_``, ``load_state_dict`` and optimizer steps bump the counter)."""
     if isinstance(w, Quantized):
-        return (tensor_version(w.data), tensor_version(w.scale), w.data.data_ptr(), w.scale.data_ptr())
-    return (tensor_version(w), w.data_ptr())
+        d, s = w.data, w.scale
+        return (tensor_version(d), tensor_version(s), d.data_ptr(), s.data_ptr(), d.stride(), s.stride())
+    return (tensor_version(w), w.data_ptr(), w.stride())
 
 
-def _weight_entry(w, recipe: Recipe, key: tuple) -> _WeightEntry:
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _snapshot(w) -> tuple[torch.Tensor, ...]:
+    return tuple(_bytes(t).clone() for t in _sources(w))
+
+
+def _same_content(w, kept: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``w``'s tensors hold exactly the bytes kept (a full comparison: no sampling)."""
+    for t, k in zip(_sources(w), kept, strict=True):
+        b = _bytes(t)
+        if b.device.type == "cpu":
+            # numpy's comparison of two byte arrays runs at memory speed on one thread; torch.equal
+            # starts the intra-op pool (docs/selection.md, "Weights changed in place").
+            if not _np_equal(b.numpy(), k.numpy()):
+                return False
+        elif not torch.equal(b, k):
+            return False
+    return True
+
+
+def _np_equal(a, b) -> bool:
+    """Byte arrays compared as the widest integers their length allows (int64: an eighth of the work)."""
+    import numpy
+
+    width = next((w for w in (numpy.int64, numpy.int32, numpy.int16) if a.size % numpy.dtype(w).itemsize == 0),
+                 numpy.uint8)
+    return a.shape == b.shape and bool(numpy.array_equal(a.view(width), b.view(width)))
+
+
+def _weight_entry(w, recipe: Recipe, key: tuple, content: bool) -> _WeightEntry:
     """Check and quantize (a float weight) or check (a Quantized one), and cache the result against
-    w's identity: the weight's checks run once per weight and version."""
-    _check_weight(w, recipe)
-    is_tensor = isinstance(w, torch.Tensor)
-    if is_tensor:
+    w's identity: the weight's checks run once per weight and version (and content)."""
+    check_weight(w, recipe)
+    kept = _snapshot(w) if content else None  # before quantizing: what the cached form is made of
+    if isinstance(w, torch.Tensor):
         with torch.no_grad():
-            qw = quantize(w.detach(), recipe.weight)
+            qw = quantize(w.detach() if kept is None else kept[0].view(w.dtype).reshape(w.shape), recipe.weight)
         STATS["quantize_weight"] += 1
+    elif kept is not None:  # the backends prepare from the kept copy: one consistent version
+        qw = Quantized(kept[0].view(w.data.dtype).reshape(w.data.shape),
+                       kept[1].view(w.scale.dtype).reshape(w.scale.shape), w.scheme, w.n_saturated)
     else:
         qw = w
 
@@ -318,45 +281,77 @@ def _weight_entry(w, recipe: Recipe, key: tuple) -> _WeightEntry:
         if e is not None and e.ref is ref:
             del cache[key]
 
-    entry = _WeightEntry(_weakref.ref(w, _drop), _version(w), recipe, qw, is_tensor)
+    entry = _WeightEntry(_weakref.ref(w, _drop), _version(w), recipe, qw, kept)
     _WEIGHTS[key] = entry
     return entry
 
 
-def _resolve_dispatch(entry: _WeightEntry, x: torch.Tensor, M: int, bias, backend: str, precision: str,
-                      od: torch.dtype, dkey: tuple) -> _Dispatch:
-    recipe = entry.recipe
+def _entry(w, recipe, weight_check: str | None) -> _WeightEntry:
+    """The cached entry of ``w``, rebuilt when ``w`` changed (as the entry's check sees changes).
+    ``weight_check=None`` keeps the entry's mode, read from ``FP8REF_WEIGHT_CHECK`` when the entry
+    was made (an environment read per call would cost a microsecond)."""
+    # A Recipe is keyed by id (the entry holds it, so the id stays valid); a preset name by value.
+    wkey = (id(w), recipe if recipe.__class__ is str else id(recipe))
+    e = _WEIGHTS.get(wkey)
+    if (e is None or e.ref() is not w or e.version != _version(w)
+            or (weight_check is not None and weight_check != e.check)
+            or (e.kept is not None and not _same_content(w, e.kept))):
+        e = _weight_entry(w, get_recipe(recipe), wkey, _weight_check(weight_check) == "content")
+    return e
+
+
+def _weight_check(weight_check) -> str:
+    if weight_check is None:
+        weight_check = _os.environ.get(ENV_WEIGHT_CHECK) or "version"
+        origin = ENV_WEIGHT_CHECK
+    else:
+        origin = "weight_check"
+    if weight_check not in WEIGHT_CHECKS:
+        raise ValueError(f"{origin} must be one of {WEIGHT_CHECKS}, got {weight_check!r}")
+    return weight_check
+
+
+def _check_candidates(candidates) -> tuple[str, ...] | None:
+    if candidates is None:
+        return None
+    if isinstance(candidates, str) or not all(isinstance(c, str) for c in candidates):
+        raise TypeError(f"candidates must be a sequence of backend names (or None), got {candidates!r}")
+    return tuple(candidates)
+
+
+def _resolve_dispatch(e: _WeightEntry, req: _Request) -> _Dispatch:
+    recipe, key = e.recipe, req.key
     if not recipe.activation.dynamic:
         raise ValueError(f"recipe {recipe.name!r} has a static activation scheme; fp8ref.linear quantizes "
                          "activations dynamically (use reference_linear(..., input_scale=) for static scales)")
-    case = _Case(M=M, N=entry.N, K=entry.K, recipe=recipe, x_dtype=x.dtype, out_dtype=od, device=str(x.device),
-                 has_bias=bias is not None)
-    b, decision = _select.resolve(case, backend, precision)
-    prepared = entry.prepared.get(b.name)
+    case = _Case(M=req.x2.shape[0], N=e.N, K=e.K, recipe=recipe, x_dtype=req.x.dtype, out_dtype=req.out_dtype,
+                 device=str(req.x.device), has_bias=req.bias is not None)
+    b, decision = _select.resolve(case, key.backend, key.precision, candidates=key.candidates)
+    prepared = e.prepared.get(b.name)
     if prepared is None:
-        prepared = b.prepare_weight(entry.qw)
+        prepared = b.prepare_weight(e.qw)
         STATS["prepare_weight"] += 1
-        entry.prepared[b.name] = prepared
-    d = _Dispatch(b, prepared, recipe.activation, decision is not None, None if decision is None else decision.key,
-                  _select.generation())
-    entry.dispatch[dkey] = d
+        e.prepared[b.name] = prepared
+    d = _Dispatch(b, prepared, recipe.activation, None if decision is None else decision.key, _select.generation())
+    e.dispatch[key] = d
     return d
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
            recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
+           weight_check: str | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` computed in FP8 W8A8 by the fastest compliant backend.
 
     Parameters
     ----------
     x : torch.Tensor
-        Activations ``[..., K]`` (fp32, fp16, bf16).
+        Activations ``[..., K]`` (fp32, fp16, bf16, fp64), dense.
     w : torch.Tensor or Quantized
         Weight ``[N, K]``: a float tensor is quantized under ``recipe.weight`` by the reference
-        quantizer *once* and cached against the tensor's identity and version (an in-place
-        change re-quantizes it); a ``Quantized`` is used as is. The backend's
-        ``prepare_weight`` runs once per weight and backend, and is cached too.
+        quantizer *once* and cached against the tensor's identity; a ``Quantized`` is used as is.
+        The backend's ``prepare_weight`` runs once per weight and backend, and is cached too.
+        A change to ``w`` rebuilds both, as ``weight_check`` sees changes.
     bias : torch.Tensor, optional
         ``[N]``.
     recipe : Recipe or str
@@ -369,6 +364,18 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
         docs/selection.md for why ``standard`` is the default.
     out_dtype : torch.dtype, optional
         Defaults to ``x.dtype``.
+    candidates : sequence of str, optional
+        The backends ``"auto"`` chooses among (the reference is always added). By default every
+        registered backend except entry-point plug-ins that ``FP8REF_ALLOW_BACKENDS`` does not
+        name: installing a package does not put its kernel into every call.
+    weight_check : {"version", "content"}, optional
+        How a changed weight is noticed (default ``FP8REF_WEIGHT_CHECK``, else ``"version"``).
+        ``"version"``: by torch's version counters and storage pointers, O(1) per call; it sees
+        ``copy_``, ``load_state_dict``, optimizer steps, in-place ops on ``w`` or its views,
+        ``.data =``, but not writes torch does not count: in-place ops on ``w.data``, writes
+        through ``w.numpy()`` or DLPack, changes to inference tensors. ``"content"``: also
+        compares the weight's bytes with a kept copy on every call (a read of the weight; every
+        write is seen). docs/selection.md gives the costs.
 
     Returns
     -------
@@ -379,16 +386,17 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     ------
     TypeError, ValueError
         The caller's errors, naming the argument, before any selection, probe or kernel (see
-        ``check_linear_args``): a non-float or FP8 ``x``, an FP8 ``w`` without scales, shapes that
-        do not fit, a bias that is not a float ``[N]``, an ``out_dtype`` outside ``OUT_DTYPES``,
-        NaN/Inf in ``x``, ``w`` or ``bias``, NaN codes in a ``Quantized`` weight.
+        ``check_linear_args``): a non-float, FP8, sparse, mkldnn, nested or meta ``x``, an FP8
+        ``w`` without scales, shapes or devices that do not fit, a bias that is not a float
+        ``[N]``, an ``out_dtype`` outside ``OUT_DTYPES``, NaN/Inf in ``x``, ``w`` or ``bias``,
+        NaN codes in a ``Quantized`` weight, an unknown ``weight_check``.
     BackendUnavailableError
         A named (or ``FP8REF_BACKEND``-forced) backend that cannot run the case.
 
     Notes
     -----
-    Under ``"auto"``, a backend that raises at run time is marked failed for this case (with
-    one warning per backend) and the call is retried on the next compliant backend.
+    Under ``"auto"``, a backend that raises at run time on checked input is marked failed for
+    this case (with one warning per backend) and the call is retried on the next compliant backend.
 
     fp8ref computes no gradients: in grad mode, with an input that requires grad, the output's
     backward raises ``RuntimeError`` (docs/spec.md, "Autograd"); run under ``torch.no_grad()``.
@@ -402,58 +410,61 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     """
     if _flushing():  # fp8ref's numbers keep subnormals whatever the caller's thread flushes (spec/fenv.py)
         with _ieee_subnormals():
-            return linear(x, w, bias, recipe=recipe, backend=backend, precision=precision, out_dtype=out_dtype)
-    _check_x(x)
+            return linear(x, w, bias, recipe=recipe, backend=backend, precision=precision, out_dtype=out_dtype,
+                          candidates=candidates, weight_check=weight_check)
+    check_x(x)
     if type(backend) is not str:
         raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")
     if not isinstance(precision, str):
         raise TypeError(f"precision must be a str (exact, strict, standard, fast), got {type(precision).__name__}")
-    # A Recipe is keyed by id (the entry holds it, so the id stays valid); a preset name by value.
-    wkey = (id(w), recipe if recipe.__class__ is str else id(recipe))
-    e = _WEIGHTS.get(wkey)
-    if e is None or e.ref() is not w or e.version != _version(w):
-        e = _weight_entry(w, get_recipe(recipe), wkey)
-    od = _check_call(x, e.N, e.K, e.qw.data.device, bias, out_dtype)
+    cands = None if candidates is None else _check_candidates(candidates)
+    e = _entry(w, recipe, weight_check)
+    od = check_call(x, e.N, e.K, e.qw.data.device, bias, out_dtype)
     shape = x.shape
     x2 = x if len(shape) == 2 else x.reshape(-1, e.K)
     M = x2.shape[0]
-    dkey = ((M - 1).bit_length() if M > 1 else 0, x.dtype, od, bias is None, backend, precision, x.device,
-            _os.environ.get(_select.ENV_BACKEND), _os.environ.get(_select.ENV_CANDIDATES))
-    d = e.dispatch.get(dkey)
+    env = _os.environ
+    key = ((M - 1).bit_length() if M > 1 else 0, x.dtype, od, bias is not None, backend, precision, x.device, cands,
+           env.get(_select.ENV_BACKEND), env.get(_select.ENV_CANDIDATES))  # DispatchKey's fields
+    d = e.dispatch.get(key)
     if d is None or d.generation != _select.generation():
-        _check_values(x, bias)  # before any selection, probe or kernel
-        d = _resolve_dispatch(e, x, M, bias, backend, precision, od, dkey)
+        check_values(x, bias)  # before any selection, probe or kernel
+        d = _resolve_dispatch(e, _Request(x, x2, bias, od, DispatchKey._make(key)))
     elif not d.backend.rejects_non_finite:
-        _check_values(x, bias)
+        check_values(x, bias)
     grads = _grad_inputs(x, w, bias)
     if grads is None:
-        y = _call(e, x, x2, M, bias, backend, precision, od, dkey, d)
+        y = _run(e, d, x, x2, bias, od, key)
     else:
-        y = _without_gradient(lambda: _call(e, x, x2, M, bias, backend, precision, od, dkey, d), grads)
+        y = _without_gradient(lambda: _run(e, d, x, x2, bias, od, key), grads)
     return y if len(shape) == 2 else y.reshape(*shape[:-1], e.N)
 
 
-def _call(e, x, x2, M, bias, backend, precision, od, dkey, d):
+def _run(e: _WeightEntry, d: _Dispatch, x: torch.Tensor, x2: torch.Tensor, bias, od: torch.dtype,
+         key: tuple) -> torch.Tensor:
     try:
         return d.backend.linear(x2, d.prepared, bias, od, d.scheme)
     except Exception as exc:
         # A backend that rejects NaN/Inf itself (rejects_non_finite) raised: the caller's error,
         # worded as on a first call (x's own index, not its flattened view's), and never blamed
-        # on the backend under "auto".
-        _check_values(x, bias)
+        # on the backend under "auto". The kind checks again too: a failure on an input no
+        # backend should have been given never marks backends failed.
+        check_x(x)
+        check_call(x, e.N, e.K, e.qw.data.device, bias, od)
+        check_values(x, bias)
         if not d.auto:
             raise
-        return _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc)
+        return _fallback(e, d, _Request(x, x2, bias, od, DispatchKey._make(key)), exc)
 
 
-def _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc):
+def _fallback(e: _WeightEntry, d: _Dispatch, req: _Request, exc: Exception) -> torch.Tensor:
     """The chosen backend raised under "auto" on checked input: mark it failed for this case and
     retry down the ranking (the reference is last)."""
     while True:
         _select.mark_failed(d.backend.name, d.key, exc)
-        d = _resolve_dispatch(e, x, M, bias, backend, precision, od, dkey)
+        d = _resolve_dispatch(e, req)
         try:
-            return d.backend.linear(x2, d.prepared, bias, od, d.scheme)
+            return d.backend.linear(req.x2, d.prepared, req.bias, req.out_dtype, d.scheme)
         except Exception as exc2:
             if d.backend.name == "reference":
                 raise
@@ -462,8 +473,10 @@ def _fallback(e, x, x2, M, bias, backend, precision, od, dkey, d, exc):
 
 def explain(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
             recipe: Recipe | str = W8A8_FP8, precision: str = "standard", out_dtype: torch.dtype | None = None,
-            refresh: bool = False, print_table: bool = False) -> _select.Decision:
-    """The table behind the decision ``fp8ref.linear(x, w, bias, ...)`` would make under "auto".
+            refresh: bool = False, print_table: bool = False,
+            candidates: Sequence[str] | None = None) -> _select.Decision:
+    """The table behind the decision ``fp8ref.linear(x, w, bias, ...)`` would make under "auto"
+    (``candidates`` as in ``linear``).
 
     Returns the ``Decision`` (``str()`` of it is the table: backend, class, supported/reason,
     compliant with the worst error/bound ratio, median time, chosen).
@@ -479,7 +492,7 @@ def explain(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | N
     N, K = (w.data if isinstance(w, Quantized) else w).shape
     case = _Case(M=x.numel() // K, N=N, K=K, recipe=recipe, x_dtype=x.dtype, out_dtype=od, device=str(x.device),
                  has_bias=bias is not None)
-    d = _select.select(case, precision, refresh=refresh)
+    d = _select.select(case, precision, candidates=_check_candidates(candidates), refresh=refresh)
     if print_table:
         print(d.table())
     return d

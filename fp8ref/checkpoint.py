@@ -12,21 +12,30 @@ The safetensors header metadata holds ``format: pt`` and ``quantization_config``
 compressed-tensors writes into ``config.json`` (``quant_method: compressed-tensors``, format
 ``float-quantized``, weights ``channel``/static, input activations ``token``/dynamic, and the
 ``ignore`` list). Files are written atomically: a temporary file in the same directory, fsync,
-then ``os.replace``, so a crash never leaves a half-written checkpoint under the final name.
+then ``os.replace``, so a crash never leaves a half-written checkpoint under the final name; a
+write that fails (a full disk) raises ``OSError`` naming the path and the cause.
+
+Reading does not memory-map the file (safetensors' ``safe_open`` does): another program that
+rewrites a mapped file in place makes a read of it fault (SIGBUS) and kills the interpreter.
+``_Reader`` validates the header (offsets inside the file, sizes that match dtype and shape) and
+reads each tensor's bytes into memory of its own; a file whose size, inode or modification time
+changed by the end of the read raises ``CheckpointError`` instead of loading a mix of two files.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import struct
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ._io import atomic_write
-from .api import check_codes, check_finite
 from .nn import Fp8Linear
+from .spec.checks import check_codes, check_finite
 from .spec.formats import E4M3FN
 from .spec.quant import Quantized
 from .spec.schemes import FP8_DYNAMIC, Granularity, Recipe
@@ -67,6 +76,112 @@ def compressed_tensors_config(ignore: list[str]) -> dict:
     }
 
 
+#: safetensors dtype names (the format's specification) and their torch dtypes.
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+#: The largest header read (safetensors' own limit is 100 MB).
+_MAX_HEADER = 100_000_000
+
+
+class _Reader:
+    """A safetensors file read with plain reads, never mapped: each tensor's bytes are copied into
+    a tensor of its own, so a concurrent rewrite of the file cannot fault this process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"cannot open the checkpoint {path}: {exc.strerror}") from None
+        self._f = os.fdopen(fd, "rb", buffering=0)
+        try:
+            self._stat = os.fstat(fd)
+            if not stat.S_ISREG(self._stat.st_mode):
+                raise CheckpointError(f"{path} is not a regular file (mode {stat.filemode(self._stat.st_mode)})")
+            size = self._stat.st_size
+            if size < 8:
+                raise self._unreadable(f"{size} bytes, fewer than the 8 of a header length")
+            (n,) = struct.unpack("<Q", self._read(0, 8, "the header length"))
+            if n > min(_MAX_HEADER, size - 8):
+                raise self._unreadable(f"header length {n} does not fit in the file's {size} bytes")
+            try:
+                header = json.loads(self._read(8, n, "the header").decode("utf-8"))
+                if not isinstance(header, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as exc:
+                raise self._unreadable(f"header: {exc}") from None
+            meta = header.pop("__metadata__", None)
+            self._meta = meta if isinstance(meta, dict) else None
+            self._base, data_size = 8 + n, size - 8 - n
+            self._entries = {k: self._entry(k, v, data_size) for k, v in header.items()}
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _unreadable(self, detail: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: not a readable safetensors file ({detail})")
+
+    def _entry(self, key: str, info, data_size: int) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
+        try:
+            name, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            dtype = _ST_DTYPES[name]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self._unreadable(f"tensor {key!r} has a malformed header entry: {exc!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if (any(d < 0 for d in shape) or not isinstance(begin, int) or not isinstance(end, int)
+                or not 0 <= begin <= end <= data_size or end - begin != numel * dtype.itemsize):
+            raise self._unreadable(f"tensor {key!r} ({name} {list(shape)}) has offsets [{begin}, {end}] that do "
+                                   "not fit its size or the file")
+        return name, dtype, shape, begin, end
+
+    def _read(self, offset: int, n: int, what: str) -> bytes:
+        data = os.pread(self._f.fileno(), n, offset) if n else b""
+        if len(data) != n:
+            raise CheckpointError(f"{self.path}: short read of {what} ({len(data)} of {n} bytes): the file was "
+                                  "truncated or is being rewritten")
+        return data
+
+    def metadata(self) -> dict | None:
+        return self._meta
+
+    def keys(self) -> set[str]:
+        return set(self._entries)
+
+    def dtype_name(self, key: str) -> str:
+        """The tensor's safetensors dtype name (``F8_E4M3``, ``F32``, ...)."""
+        return self._entries[key][0]
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        _, dtype, shape, begin, end = self._entries[key]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        if end > begin:
+            got = os.preadv(self._f.fileno(), [memoryview(out.numpy())], self._base + begin)
+            if got != end - begin:
+                raise CheckpointError(f"{self.path}: short read of {key} ({got} of {end - begin} bytes): the file "
+                                      "was truncated or is being rewritten")
+        return out.view(dtype).reshape(shape)
+
+    def check_unchanged(self) -> None:
+        """Raise ``CheckpointError`` if the file changed since it was opened (a rewrite in place)."""
+        now = os.stat(self.path)
+        then = self._stat
+        if (now.st_ino, now.st_size, now.st_mtime_ns) != (then.st_ino, then.st_size, then.st_mtime_ns):
+            fd_now = os.fstat(self._f.fileno())
+            if (fd_now.st_size, fd_now.st_mtime_ns) != (then.st_size, then.st_mtime_ns):
+                raise CheckpointError(f"{self.path} changed while it was being read (another program rewrote it); "
+                                      "nothing was loaded, read it again")
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
 def _check_layout(name: str, recipe: Recipe) -> None:
     w, a = recipe.weight, recipe.activation
     ok = (w.format == E4M3FN and w.granularity is Granularity.ROW and w.qmax == E4M3FN.max
@@ -91,8 +206,13 @@ def _safetensors(what: str):
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    save_file = _safetensors("save_fp8_dynamic").torch.save_file
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    st = _safetensors("save_fp8_dynamic")
+    try:
+        atomic_write(path, lambda tmp: st.torch.save_file(tensors, tmp, metadata=metadata))
+    except st.SafetensorError as exc:  # e.g. a full disk: safetensors' message names no path
+        raise OSError(f"cannot write the checkpoint {path}: {exc}") from exc
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot write the checkpoint {path}: {exc.strerror or exc}") from exc
 
 
 def save_fp8_dynamic(model: nn.Module, path: str | os.PathLike) -> dict:
@@ -213,29 +333,33 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
     >>> fp8ref.load_fp8_dynamic(torch.nn.Sequential(torch.nn.Linear(32, 16)), p)
     ['0']
     """
-    st = _safetensors("load_fp8_dynamic")
-    SafetensorError, safe_open = st.SafetensorError, st.safe_open
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; load_fp8_dynamic reads one .safetensors file")
+    if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_fp8_dynamic expects an nn.Module, got {type(model).__name__}")
+    on_meta = next((n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                    if t.device.type == "meta"), None)
+    if on_meta is not None:
+        raise ValueError(f"load_fp8_dynamic: the model's {on_meta} is on the meta device (built under "
+                         "torch.device('meta')); fp8ref checks and keeps real tensors: materialise the model "
+                         "first, e.g. model.to_empty(device='cpu')")
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))]
     if any(not n for n, _ in layers):
         raise ValueError("load_fp8_dynamic needs a model containing linear layers, not a lone layer")
     new: dict[str, Fp8Linear] = {}
     consumed: set[str] = set()
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            _check_config(f.metadata(), path)
-            keys = set(f.keys())
-            for name, mod in layers:
-                layer = _read_layer(f, keys, name, mod, backend, precision, strict, consumed)
-                if layer is not None:
-                    new[name] = layer
-            rest = {k: f.get_tensor(k) for k in keys - consumed}
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    with _Reader(path) as f:
+        _check_config(f.metadata(), path)
+        keys = f.keys()
+        for name, mod in layers:
+            layer = _read_layer(f, keys, name, mod, backend, precision, strict, consumed)
+            if layer is not None:
+                new[name] = layer
+        rest = {k: f.get_tensor(k) for k in keys - consumed}
+        f.check_unchanged()
     _check_rest(model, path, rest, set(new), consumed, strict)
     # Every tensor checked: only now is the model changed (all or nothing).
     for name, layer in new.items():
@@ -245,16 +369,16 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
     return list(new)
 
 
-def _read_layer(f, keys: set[str], name: str, mod: nn.Module, backend: str, precision: str, strict: bool,
+def _read_layer(f: _Reader, keys: set[str], name: str, mod: nn.Module, backend: str, precision: str, strict: bool,
                 consumed: set[str]) -> Fp8Linear | None:
     """The ``Fp8Linear`` for layer ``name`` from the open file ``f`` (None if the file holds no FP8
     weight for it), every tensor checked; the keys it used are added to ``consumed``."""
     p = f"{name}."
     wk, sk, ik, bk = p + "weight", p + "weight_scale", p + "input_scale", p + "bias"
-    w_is_fp8 = wk in keys and f.get_slice(wk).get_dtype() == "F8_E4M3"
+    w_is_fp8 = wk in keys and f.dtype_name(wk) == "F8_E4M3"
     if not w_is_fp8 and sk not in keys:
         if isinstance(mod, Fp8Linear) and wk in keys:
-            raise CheckpointError(f"{wk} is {f.get_slice(wk).get_dtype()}, expected F8_E4M3 for the "
+            raise CheckpointError(f"{wk} is {f.dtype_name(wk)}, expected F8_E4M3 for the "
                                   f"quantized layer {name!r}")
         return None
     if wk not in keys:
@@ -312,9 +436,12 @@ def _read_layer(f, keys: set[str], name: str, mod: nn.Module, backend: str, prec
     consumed.update((wk, sk))
     device = mod.weight.device
     qw = Quantized(w.to(device), s.to(device), recipe.weight)
+    was = mod if isinstance(mod, Fp8Linear) else None  # an Fp8Linear keeps its own settings
     return Fp8Linear.from_quantized(qw, None if bias is None else bias.to(device), recipe=recipe,
-                                    backend=mod.backend if isinstance(mod, Fp8Linear) else backend,
-                                    precision=mod.precision if isinstance(mod, Fp8Linear) else precision)
+                                    backend=backend if was is None else was.backend,
+                                    precision=precision if was is None else was.precision,
+                                    candidates=None if was is None else was.candidates,
+                                    weight_check=None if was is None else was.weight_check)
 
 
 def _check_rest(model: nn.Module, path: Path, rest: dict[str, torch.Tensor], replaced: set[str],

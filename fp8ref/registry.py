@@ -6,13 +6,21 @@ many times it rounds to the output dtype, which fixes the error bound it is chec
 case (``supports`` returns a reason string) instead of failing or computing something else.
 
 Third-party backends register with ``register_backend`` or through the entry-point group
-``fp8ref.backends`` (each entry point names a Backend subclass or instance).
+``fp8ref.backends`` (each entry point names a Backend subclass or instance). A backend that came
+in through an entry point (installing a package is enough) is listed and usable by name, but the
+selector's ``auto`` considers it only when the user allows it: by naming it in ``candidates=``
+or ``FP8REF_CANDIDATES``, or in the allow-list ``FP8REF_ALLOW_BACKENDS`` (``is_trusted``).
+
+The registry loads once per process, under a lock: every thread that asks for it waits until
+every shipped backend and entry point is registered, so no thread ever sees half of it.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import threading
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -24,10 +32,14 @@ from .spec.bounds import Accumulation, PrecisionClass, precision_class
 from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
 
-__all__ = ["Backend", "Case", "BackendInfo", "register_backend", "unregister_backend", "get_backend",
-           "backends", "ENTRY_POINT_GROUP", "OPS", "decline_reason", "backend_quantize"]
+__all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "RAISE", "PROPAGATE", "register_backend",
+           "unregister_backend", "get_backend", "backends", "ENTRY_POINT_GROUP", "ENV_ALLOW", "OPS", "decline_reason",
+           "backend_quantize", "is_trusted", "origin"]
 
 ENTRY_POINT_GROUP = "fp8ref.backends"
+#: Comma-separated names of entry-point backends that ``auto`` may consider without being named in
+#: ``candidates=`` (``*``: all of them).
+ENV_ALLOW = "FP8REF_ALLOW_BACKENDS"
 
 #: The ops a backend can declare (``Backend.ops``) and a case can ask for (``Case.op``).
 OPS = ("quantize", "scaled_mm", "linear")
@@ -36,6 +48,54 @@ OPS = ("quantize", "scaled_mm", "linear")
 _BUILTIN_MODULES = ("fp8ref.kernels.reference", "fp8ref.kernels.torch_mm", "fp8ref.kernels.cpu",
                     "fp8ref.kernels.triton_kernels", "fp8ref.kernels.sgl",
                     "fp8ref.kernels.cpu_fp8", "fp8ref.kernels.cpu_fp8_amx")
+
+
+#: The two answers a backend may give to a NaN or +-Inf in an input (``NonFinite``).
+RAISE = "raise"
+PROPAGATE = "propagate"
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """What a backend does with NaN or +-Inf in each kind of input: ``RAISE`` (``ValueError``
+    before any output exists) or ``PROPAGATE`` (every output value computed from the non-finite
+    input is NaN or +-Inf). Never a finite value standing in for a non-finite one: that answer is
+    not on offer (docs/spec.md, "The calling contract", special values).
+
+    The defaults are the spec's own answers (``fp8ref.quantize`` and ``fp8ref.scaled_mm``): the
+    contracts ``*.non_finite`` check the declaration.
+
+    Attributes
+    ----------
+    x : str
+        Activations given to ``quantize`` and ``linear``. Propagating means: the dequantized value
+        of a non-finite element (code times scale) is non-finite, and so is every output row of
+        ``linear`` whose activation row holds one.
+    static_scale : str
+        The caller's scale of a static scheme (``quantize``/``linear`` ``scale=``); also zero or
+        negative there (the spec refuses those too). Propagating: the dequantized values of its
+        block are non-finite.
+    codes : str
+        NaN (and E5M2's Inf) codes in a ``Quantized`` operand of ``scaled_mm``.
+    scales : str
+        NaN/Inf in a ``Quantized.scale`` given to ``scaled_mm``.
+    bias : str
+        NaN/Inf in the bias of ``scaled_mm`` and ``linear``.
+
+    Propagating in ``scaled_mm``: y[m, n] is NaN or +-Inf wherever row m of ``a`` (codes or
+    scales), row n of ``b`` or ``bias[n]`` holds a non-finite value.
+    """
+
+    x: str = RAISE
+    static_scale: str = RAISE
+    codes: str = PROPAGATE
+    scales: str = PROPAGATE
+    bias: str = RAISE
+
+    def __post_init__(self) -> None:
+        for k, v in vars(self).items():
+            if v not in (RAISE, PROPAGATE):
+                raise ValueError(f"NonFinite.{k} must be {RAISE!r} or {PROPAGATE!r}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +151,32 @@ class Backend:
         then leaves those scans to the backend after a case's first call (they cost a pass over
         ``x`` per call); otherwise it scans before every call. The selector's probe checks the
         claim. Default False.
+    non_finite : NonFinite
+        What each entry point does with NaN/Inf in each kind of input (raise or propagate, per
+        kind); the defaults are the spec's answers. The conformance contracts ``*.non_finite``
+        check it, on every entry point the backend claims.
+    precision : PrecisionClass
+        Derived, not declared: the smallest precision class that holds ``accumulation`` and
+        ``output_roundings`` (``fp8ref.spec.bounds.precision_class``).
+    conformance_max_elems : int or None
+        For a backend that pays per element (an interpreter): the most elements per operand the
+        conformance suite gives it; it then also gets fewer rows, the secondary contracts on every
+        fourth sweep item and the profile's ``slow_examples`` search examples (the report says so).
+        A count, never a time, so a derandomized profile checks the same examples on every machine.
+        Default None: the profile's own limits.
+    conformance_max_examples : int or None
+        The most search examples per contract the conformance suite draws for this backend, when
+        fewer than the profile's (pinned examples and the corner sweep always run). Default None.
+    time_budget_s : float or None
+        A longer per-contract search budget than the profile's, for a backend that compiles per
+        shape (jax's XLA jit), so its pinned examples and sweep run; reports say so. Default None.
+    bench_skip_reason : str or None
+        Why ``fp8ref bench`` leaves this backend out by default (its times would say nothing about
+        the kernel, e.g. under an interpreter). Default None: benchmarked.
+    version : str or None
+        What the selector's cache key holds of this backend's code beyond its class and
+        declaration (a digest of native sources, a library's version): a decision timed on other
+        code is not reused. Default None: nothing beyond the class.
     """
 
     name: str = ""
@@ -98,6 +184,12 @@ class Backend:
     output_roundings: int = 1
     ops: tuple[str, ...] = OPS
     rejects_non_finite: bool = False
+    non_finite: NonFinite = NonFinite()
+    conformance_max_elems: int | None = None
+    conformance_max_examples: int | None = None
+    time_budget_s: float | None = None
+    bench_skip_reason: str | None = None
+    version: str | None = None
 
     @property
     def precision(self) -> PrecisionClass:
@@ -196,27 +288,65 @@ class BackendInfo:
     precision: str
     accumulation: str
     output_roundings: int
+    #: ``"fp8ref"`` (shipped), ``"registered"`` (``register_backend`` called by the user's code) or
+    #: ``"entry-point"`` (installed package; ``auto`` considers it only when allowed).
+    origin: str = "fp8ref"
+    #: Whether ``auto`` considers it without the backend being named in ``candidates=``.
+    trusted: bool = True
 
 
 _REGISTRY: dict[str, Backend] = {}
+#: Names registered from the ``fp8ref.backends`` entry points.
+_ENTRY_POINT_NAMES: set[str] = set()
 _loaded = False
+_loading = False
+#: Held while the registry loads: a second thread waits for the whole registry, never half of it.
+#: Re-entrant, for a backend module that looks the registry up while it is imported.
+_LOAD_LOCK = threading.RLock()
 
 
 def _ensure_loaded() -> None:
-    global _loaded
+    global _loaded, _loading
     if _loaded:
         return
-    _loaded = True
-    for mod in _BUILTIN_MODULES:
-        importlib.import_module(mod)
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+    with _LOAD_LOCK:
+        if _loaded or _loading:  # _loading: this very thread, inside a backend module's import
+            return
+        _loading = True
         try:
-            obj = ep.load()
-            backend = obj() if isinstance(obj, type) else obj
-            if backend.name not in _REGISTRY:
-                register_backend(backend)
-        except Exception as exc:  # a broken plug-in must not break fp8ref; say so once
-            warnings.warn(f"fp8ref: backend entry point {ep.name!r} failed to load: {exc!r}", stacklevel=2)
+            for mod in _BUILTIN_MODULES:
+                importlib.import_module(mod)
+            for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+                try:
+                    obj = ep.load()
+                    backend = obj() if isinstance(obj, type) else obj
+                    if backend.name not in _REGISTRY:
+                        register_backend(backend)
+                        _ENTRY_POINT_NAMES.add(backend.name)
+                except Exception as exc:  # a broken plug-in must not break fp8ref; say so once
+                    warnings.warn(f"fp8ref: backend entry point {ep.name!r} failed to load: {exc!r}", stacklevel=2)
+            _loaded = True  # only now: every backend is in
+        finally:
+            _loading = False
+
+
+def origin(name: str) -> str:
+    """Where backend ``name`` came from: ``"fp8ref"``, ``"registered"`` or ``"entry-point"``."""
+    b = get_backend(name)
+    if name in _ENTRY_POINT_NAMES:
+        return "entry-point"
+    return "fp8ref" if type(b).__module__.startswith("fp8ref.") else "registered"
+
+
+def is_trusted(name: str) -> bool:
+    """Whether ``auto`` may consider backend ``name`` without the user naming it in ``candidates=``:
+    every shipped backend and every one the user's code registered; an entry-point backend only
+    when ``FP8REF_ALLOW_BACKENDS`` names it (or is ``*``). Installing a package is not a choice
+    to run its kernel in every ``fp8ref.linear`` and audit."""
+    if name not in _ENTRY_POINT_NAMES:
+        return True
+    allow = {n.strip() for n in os.environ.get(ENV_ALLOW, "").split(",") if n.strip()}
+    return "*" in allow or name in allow
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
@@ -228,11 +358,12 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     if not isinstance(backend.accumulation, Accumulation):
         raise TypeError(f"backend {backend.name!r}: accumulation must be an fp8ref.Accumulation")
     precision_class(backend.accumulation, backend.output_roundings)  # validates output_roundings
-    ops = getattr(backend, "ops", None)
+    ops = backend.ops
     if not isinstance(ops, (tuple, list, frozenset, set)) or not ops or not set(ops) <= set(OPS):
         raise ValueError(f"backend {backend.name!r}: ops must be a non-empty collection of {OPS}, got {ops!r}")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
+    _ENTRY_POINT_NAMES.discard(backend.name)  # the user's own registration: their choice
     _REGISTRY[backend.name] = backend
     return backend
 
@@ -242,6 +373,7 @@ def unregister_backend(name: str) -> None:
     if name == "reference":
         raise ValueError("the reference backend cannot be unregistered")
     _REGISTRY.pop(name, None)
+    _ENTRY_POINT_NAMES.discard(name)
 
 
 def get_backend(name: str) -> Backend:
@@ -257,11 +389,11 @@ def backends() -> list[BackendInfo]:
     """Every registered backend, with whether it is available here and why not."""
     _ensure_loaded()
     out = []
-    for b in _REGISTRY.values():
+    for b in list(_REGISTRY.values()):  # a snapshot: another thread may register meanwhile
         try:
             reason = b.available()
         except Exception as exc:
             reason = f"available() raised {exc!r}"
         out.append(BackendInfo(b.name, reason is None, reason, b.precision.value, b.accumulation.name,
-                               b.output_roundings))
+                               b.output_roundings, origin(b.name), is_trusted(b.name)))
     return out

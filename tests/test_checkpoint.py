@@ -168,8 +168,7 @@ def test_config_helper():
     assert cfg["ignore"] == ["a", "b"] and cfg["format"] == "float-quantized"
 
 
-@pytest.mark.parametrize("call", ["save", "load"])
-def test_missing_safetensors_says_what_to_install(tmp_path, monkeypatch, call):
+def test_missing_safetensors_says_what_to_install(tmp_path, monkeypatch):
     m = nn.Sequential(nn.Linear(16, 8))
     fp8ref.quantize_model(m, skip=())
     p = tmp_path / "m.safetensors"
@@ -177,8 +176,7 @@ def test_missing_safetensors_says_what_to_install(tmp_path, monkeypatch, call):
     monkeypatch.setitem(sys.modules, "safetensors", None)  # what an environment without it imports
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'safetensors>=0.4'"):
-        if call == "save":
-            fp8ref.save_fp8_dynamic(m, tmp_path / "other.safetensors")
-        else:
-            fp8ref.load_fp8_dynamic(nn.Sequential(nn.Linear(16, 8)), p)
+        fp8ref.save_fp8_dynamic(m, tmp_path / "other.safetensors")
     assert not (tmp_path / "other.safetensors").exists()
+    # Loading reads the format itself (checkpoint._Reader: no memory map), so it needs no package.
+    assert fp8ref.load_fp8_dynamic(nn.Sequential(nn.Linear(16, 8)), p) == ["0"]

@@ -45,14 +45,6 @@ DOC_PENDING: dict[str, str] = {}
 
 #: Most positional parameters a function may take; more go keyword-only or into a named structure.
 MAX_POSITIONAL = 8
-#: Functions that other engineers are reshaping while this rule lands (issue 33: ``api.py``'s
-#: dispatch gets a small named structure, the driver's search its run state in attributes); the
-#: owner removes the entry with the refactoring, and a test below fails once an entry is stale.
-POSITIONAL_PENDING = {
-    "fp8ref/api.py::_call",  # TODO(issue 33, h3): the dispatch in a named structure
-    "fp8ref/api.py::_fallback",  # TODO(issue 33, h3)
-    "fp8ref/conformance/driver.py::_search",  # TODO(issue 33, h1): the run state in attributes
-}
 
 #: CPU models and machine descriptions ("a 2-vCPU ..."): in a docstring or a comment they mark a
 #: measurement of one machine.
@@ -385,18 +377,10 @@ def test_no_function_takes_too_many_positional_parameters():
     for name, path in _modules().items():
         rel = path.relative_to(ROOT).as_posix()
         for fn, n, line in _positional_counts(_tree(name)):
-            if n > MAX_POSITIONAL and f"{rel}::{fn}" not in POSITIONAL_PENDING:
+            if n > MAX_POSITIONAL:
                 over.append(f"{rel}:{line} {fn} takes {n} positional parameters")
     assert not over, (f"more than {MAX_POSITIONAL} positional parameters (make the rest keyword-only, "
                       "or pass a named structure):\n" + "\n".join(over))
-
-
-def test_positional_pending_entries_are_still_needed():
-    for entry in POSITIONAL_PENDING:
-        rel, fn = entry.split("::")
-        name = _name(ROOT / rel)
-        counts = {f: n for f, n, _ in _positional_counts(_tree(name))} if name in _modules() else {}
-        assert counts.get(fn, 0) > MAX_POSITIONAL, f"{entry} is within the rule now: drop it from POSITIONAL_PENDING"
 
 
 def test_the_positional_count_sees_what_a_caller_writes():
@@ -503,3 +487,63 @@ def test_notebook_allowances_are_still_needed():
 ])
 def test_the_notebook_check_sees_figures_not_constants(text, hits):
     assert sorted(_notebook_entries("fp8ref/x.py", text)) == sorted(hits)
+
+
+def _backend_class() -> ast.ClassDef:
+    return next(n for n in _tree("fp8ref.registry").body if isinstance(n, ast.ClassDef) and n.name == "Backend")
+
+
+def _declared_backend_attributes() -> tuple[set[str], set[str]]:
+    """(attributes, methods) that ``fp8ref.registry.Backend`` declares; a property is an attribute."""
+    attrs, methods = set(), set()
+    for node in _backend_class().body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            attrs.add(node.target.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            is_property = any(ast.unparse(d) == "property" for d in node.decorator_list)
+            (attrs if is_property else methods).add(node.name)
+    return attrs, methods
+
+
+def test_backend_declares_what_is_read_from_it():
+    """What the driver, selector, peers, bench and reports read from a backend is declared on ``Backend``
+    with a default and an entry in its docstring, and read directly: ``getattr(x, "<declared name>",
+    default)`` would hide a renamed attribute behind the default."""
+    attrs, methods = _declared_backend_attributes()
+    assert {"conformance_max_elems", "conformance_max_examples", "time_budget_s", "bench_skip_reason",
+            "version"} <= attrs
+    doc = ast.get_docstring(_backend_class()) or ""
+    undocumented = sorted(n for n in attrs if not any(line.strip().startswith(f"{n} :") for line in doc.splitlines()))
+    assert not undocumented, f"Backend attributes without an entry in its docstring: {undocumented}"
+    guessed = []
+    for name in _modules():
+        for node in ast.walk(_tree(name)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in attrs | methods):
+                guessed.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not guessed, f"getattr/hasattr of attributes Backend declares: {guessed}"
+
+
+#: The argument checks of the calling contract, which live in ``fp8ref/spec/checks.py`` alone (issue 33).
+ARG_CHECKS = {"check_dense", "check_x", "check_weight", "check_call", "check_values", "check_linear_args",
+              "check_finite", "check_codes", "BIAS_NON_FINITE"}
+
+
+def test_argument_checks_have_one_home():
+    """Defined in ``fp8ref/spec/checks.py`` only, and imported from it directly: never re-defined,
+    and never reached through ``fp8ref.api`` or ``fp8ref.kernels`` (nn.py and checkpoint.py once
+    imported them from the api, which re-exported the kernels' copies)."""
+    home = "fp8ref/spec/checks.py"
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, (ast.FunctionDef, ast.Assign)) and rel != home
+                    and ({node.name} if isinstance(node, ast.FunctionDef)
+                         else {t.id for t in node.targets if isinstance(t, ast.Name)}) & ARG_CHECKS):
+                bad.append(f"{rel}:{node.lineno} defines an argument check outside {home}")
+            if isinstance(node, ast.ImportFrom) and {a.name for a in node.names} & ARG_CHECKS:
+                if not (node.module or "").split(".")[-1] == "checks":
+                    bad.append(f"{rel}:{node.lineno} imports an argument check from {node.module!r}, not spec.checks")
+    assert not bad, "\n".join(bad)

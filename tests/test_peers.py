@@ -15,7 +15,7 @@ from fp8ref import Quantized, QuantScheme
 from fp8ref.conformance.strategies import QuantizeProblem, TensorSpec
 from fp8ref.peers import Peer, get_peer, peer_names, peers
 from fp8ref.peers.certify import certify_peer
-from fp8ref.peers.matrix import compare, recorded_verdicts, render, verdicts
+from fp8ref.peers.matrix import compare, merge, recorded_verdicts, render, verdicts
 from fp8ref.registry import Case, Recipe, get_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def test_peers_listed_without_importing_their_packages():
     assert len(names) == len(set(names)) >= 15
     code = ("import sys, fp8ref.peers as p; p.peers(); "
             "print(sorted(m for m in ('sglang', 'vllm', 'onnxruntime', 'torchao', 'jax', 'compressed_tensors', "
-            "'optimum', 'modelopt') if m in sys.modules))")
+            "'optimum', 'modelopt', 'flax', 'tinygrad') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     for p in peers():
@@ -161,3 +161,54 @@ def test_every_peer_ledger_entry_names_an_existing_reproduction():
         assert f"def {func}(" in (ROOT / path).read_text(), e["id"]
         if e.get("property"):
             assert e["backend"] in peer_names() and e["upstream"] == (e["link"] or ""), e["id"]
+
+
+@pytest.mark.skipif(not _installed("sglang"), reason="needs sglang (docs/certified.md, 'Installing the peers')")
+def test_sglang_online_w8a8_pre_fix_zero_weights_would_be_caught():
+    """sglang#4434: an fp16 checkpoint loaded under ``--quantization w8a8_fp8`` came out with all-zero
+    FP8 weights. The installed SGLang's online path (``sglang-online-w8a8``) passes ``quantize.codes``;
+    the same adapter with that symptom put back (zero codes for fp16 weights, scales untouched)
+    fails it with a counterexample."""
+    real = get_peer("sglang-online-w8a8")
+    if real.available() is not None:
+        pytest.skip(real.available())
+
+    class PreFix4434(type(real)):
+        name = "sglang-online-w8a8-pre-4434"
+
+        def quantize(self, x, scheme, scale=None):
+            q = super().quantize(x, scheme, scale)
+            if x.dtype == torch.float16:
+                return Quantized(torch.zeros_like(q.data), q.scale, scheme)
+            return q
+
+    ok = certify_peer(real, "ci", seed=0, contracts=["quantize.codes"], measure=False)
+    assert ok.report.result("quantize.codes").status == "pass"
+    bad = certify_peer(PreFix4434(), "ci", seed=0, contracts=["quantize.codes"], measure=False)
+    codes = bad.report.result("quantize.codes")
+    assert codes.status == "fail" and "fp16" in codes.counterexample, codes.message
+
+
+def test_merge_puts_new_rows_in_and_keeps_the_others():
+    """``fp8ref certify --peer X --merge docs/certified.md``: X's row, section and verdicts replace
+    its old ones or join the page in matrix order; every other peer's stay byte for byte."""
+    bad = certify_peer(_NaNOnZeroRows(), "dev", seed=0, contracts=["quantize.codes"], measure=False)
+
+    class Other(_NaNOnZeroRows):
+        name = "fake-other"
+
+        def quantize(self, x, scheme, scale=None):
+            return fp8ref.quantize(x, scheme, scale)
+
+    other = certify_peer(Other(), "dev", seed=0, contracts=["quantize.codes"], measure=False)
+    page = render([bad], _header())
+    merged = merge(page, [other], dict(_header(), machine="elsewhere"), ["fake-other", "fake-zero-nan"])
+    assert recorded_verdicts(merged) == {"fake-zero-nan": verdicts(bad), "fake-other": verdicts(other)}
+    lines = merged.splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("| `fake-")]
+    assert [lines[i].split("`")[1] for i in rows] == ["fake-other", "fake-zero-nan"]
+    for line in page.splitlines()[:-1]:  # the old row and section are kept as they were (not the verdicts line)
+        assert line in lines
+    assert "Rows merged by `fp8ref certify --merge`" in merged and "elsewhere" in merged and "`fake-other`" in merged
+    again = merge(merged, [other], _header(), ["fake-other", "fake-zero-nan"])
+    assert again.count("### `fake-other`") == 1 and recorded_verdicts(again) == recorded_verdicts(merged)

@@ -31,7 +31,7 @@ def available_backends(device: str, only: Sequence[str] | None = None) -> tuple[
         if not info.available:
             skipped[info.name] = f"unavailable: {info.reason}"
             continue
-        hint = getattr(get_backend(info.name), "bench_skip_reason", None)  # optional: third-party backends
+        hint = get_backend(info.name).bench_skip_reason
         if hint and (only is None or info.name not in only):
             skipped[info.name] = f"not timed: {hint} (name it with --backend to time it anyway)"
             continue

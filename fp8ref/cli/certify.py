@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 from .._io import unwritable_reason, write_text
+from .._progress import oversubscribed
 
 DEFAULT_OUTPUT = os.path.join("docs", "certified.md")
 
@@ -39,6 +40,8 @@ def add_parser(sub) -> None:
                    help=f"write the matrix here (default: {DEFAULT_OUTPUT} for a full run, nothing otherwise)")
     p.add_argument("--json", metavar="FILE", help="write the certificates as JSON")
     p.add_argument("--check", metavar="MD", help="compare the verdicts with those recorded in this matrix")
+    p.add_argument("--merge", metavar="MD", help="put the selected peers' rows into this matrix (replacing theirs, "
+                                                 "keeping every other row) and write it back")
     p.add_argument("--known-failures", metavar="PY", help="ledger (default: properties/known_failures.py if present)")
     p.add_argument("--in-process", action="store_true", help="run the peers in this process")
     p.add_argument("--no-measure", action="store_true", help="contracts only (skip bit-exactness, schemes, non-finite)")
@@ -123,6 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     _prepare_env()
     try:
         from ..conformance import CONTRACT_NAMES
+        from ..conformance.contracts import CALLING_CONTRACT_NAMES
     except ImportError as exc:
         print(f"fp8ref certify needs hypothesis: pip install 'fp8ref[conformance]' ({exc})", file=sys.stderr)
         return 2
@@ -134,6 +138,9 @@ def _run(args: argparse.Namespace) -> int:
         return _render_saved(args, known)
     if args.worker:
         return _worker(args, known)
+    busy = oversubscribed()
+    if busy and not args.list:
+        print(f"fp8ref certify: {busy}", file=sys.stderr)
     if args.list:
         for p in peers():
             reason = p.available() if args.in_process else None
@@ -149,7 +156,14 @@ def _run(args: argparse.Namespace) -> int:
         if c not in CONTRACT_NAMES:
             print(f"fp8ref certify: no contract {c!r}; contracts: {list(CONTRACT_NAMES)}", file=sys.stderr)
             return 2
-    output = args.output or (DEFAULT_OUTPUT if not args.peer and not args.only and not args.check else None)
+    if args.merge and args.only:
+        print("fp8ref certify: --merge records whole rows; it cannot take --only", file=sys.stderr)
+        return 2
+    if args.merge and not os.path.isfile(args.merge):
+        print(f"fp8ref certify: --merge: no matrix at {args.merge}", file=sys.stderr)
+        return 2
+    output = args.output or args.merge or (
+        DEFAULT_OUTPUT if not args.peer and not args.only and not args.check else None)
     for opt, path in (("--json", args.json), ("--output", output)):
         reason = path and unwritable_reason(path)
         if reason:
@@ -159,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..peers.matrix import compare, recorded_verdicts, render
 
-    n_contracts = len(args.only) if args.only else len(CONTRACT_NAMES)
+    n_contracts = len(args.only) if args.only else len(CONTRACT_NAMES) - len(CALLING_CONTRACT_NAMES)  # peers skip those
     certs = []
     with tqdm(total=len(selected) * n_contracts, desc="fp8ref certify", unit="contract", file=sys.stderr) as bar:
         for peer in selected:
@@ -174,7 +188,13 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{peer.name}: {_summary(cert)}", file=sys.stderr, flush=True)
     if args.json:
         write_text(args.json, json.dumps([c.to_dict() for c in certs], indent=2, default=str))
-    if output:
+    if args.merge:
+        from ..peers import peer_names
+        from ..peers.matrix import merge
+
+        with open(args.merge) as f:
+            _write_matrix(output, merge(f.read(), certs, _header(args), peer_names()))
+    elif output:
         _write_matrix(output, render(certs, _header(args)))
     if args.check:
         with open(args.check) as f:
@@ -211,7 +231,14 @@ def _render_saved(args, known: list[dict]) -> int:
         certs = [Certificate.from_dict(d) for d in json.load(f)]
     for cert in certs:
         apply_known_failures(cert.report, known)
-    _write_matrix(args.output or DEFAULT_OUTPUT, render(certs, _header(args)))
+    if args.merge:
+        from ..peers import peer_names
+        from ..peers.matrix import merge
+
+        with open(args.merge) as f:
+            _write_matrix(args.output or args.merge, merge(f.read(), certs, _header(args), peer_names()))
+    else:
+        _write_matrix(args.output or DEFAULT_OUTPUT, render(certs, _header(args)))
     return 0
 
 

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from .. import select as sel
-from ..registry import Case, backends
+from ..registry import ENV_ALLOW, Case, backends
 from ..spec.schemes import RECIPES, get_recipe
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -72,6 +72,8 @@ def _backends(args: argparse.Namespace) -> int:
     print(f"{'backend':18} {'class':9} {'accumulation':12} {'roundings':>9}  status")
     for i in infos:
         status = "available" if i.available else f"unavailable: {i.reason}"
+        if not i.trusted:
+            status += f"; {i.origin}: usable by name, auto only when allowed ({ENV_ALLOW} or --candidates)"
         print(f"{i.name:18} {i.precision:9} {i.accumulation:12} {i.output_roundings:>9}  {status}")
     return 0
 

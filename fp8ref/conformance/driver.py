@@ -11,12 +11,11 @@ what was tested and what the backend declined. The report classes live in ``repo
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import enum
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hypothesis import Verbosity, given, reject, settings
@@ -26,10 +25,11 @@ from hypothesis.errors import HypothesisException, Unsatisfiable
 from .._progress import progress
 from ..registry import Backend, get_backend
 from ..spec.schemes import QuantScheme, Recipe
+from .adaptation import Adaptation, adapted
 from .contracts import CONTRACTS, Contract, ContractViolation, Declined, get_contract, reference_threads
 from .coverage import Coverage
 from .probe import accumulator_bits
-from .problems import problem_to_dict
+from .problems import QuantizeProblem, problem_to_dict
 from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
 from .report import (
     ERROR,
@@ -44,14 +44,18 @@ from .report import (
     YES,
     ContractResult,
     Report,
+    Status,
     apply_known_failures,
     load_report,
     merge_reports,
 )
+from .reproduce import load_backend, reproduce_line
 from .scope import Scope, make_scope
 from .sweep import corner_sweep, exhaustive
 
-__all__ = ["ContractResult", "Report", "check", "check_contract", "load_backend", "merge_reports", "load_report",
+__all__ = ["Adaptation", "ExitReason", "Status", "classify", "ContractResult", "Report", "check", "check_contract",
+           "load_backend",
+           "merge_reports", "load_report",
            "apply_known_failures", "reproduce_line", "PASS", "FAIL", "ERROR", "NA", "XFAIL", "XPASS", "YES", "NO",
            "UNTESTED", "NOT_CLAIMED"]
 
@@ -67,103 +71,24 @@ def _profile_for(backend: Backend, prof: Profile) -> Profile:
     """The profile for ``backend``: a backend that pays per element (the Triton interpreter) sets
     ``conformance_max_elems``; it then gets operands of at most that many elements and hint/128
     rows (such kernels also pay per row program), the secondary contracts run every fourth sweep
-    item, and the search runs ``slow_examples`` examples per contract. A backend's optional
+    item, and the search runs ``slow_examples`` examples per contract. A backend's
     ``conformance_max_examples`` hint lowers the search's example count further. All of these are
-    counts, never times: a derandomized profile checks the same examples on every machine. The
-    report says so."""
-    hint = getattr(backend, "conformance_max_elems", None)
+    counts, never times: a derandomized profile checks the same examples on every machine. A
+    backend that compiles per shape declares a longer ``time_budget_s``, which widens a profile's
+    finite budget (so its pinned examples run). The report says so."""
+    hint = backend.conformance_max_elems
     if isinstance(hint, int) and 0 < hint < prof.max_elems:
         prof = prof.with_(max_elems=hint, max_rows=min(prof.max_rows, max(1, hint // 128)), sweep_stride=4,
                           max_examples=min(prof.max_examples, prof.slow_examples))
-    hint = getattr(backend, "conformance_max_examples", None)
+    hint = backend.conformance_max_examples
     if isinstance(hint, int) and 0 < hint < prof.max_examples:
         prof = prof.with_(max_examples=hint)
+    budget = backend.time_budget_s
+    # ci has no time budget (counts bound its work: the verdict must not depend on the machine's
+    # speed); the hint only widens the budget of the exploring profiles
+    if budget is not None and prof.time_budget_s is not None and budget > prof.time_budget_s:
+        prof = prof.with_(time_budget_s=float(budget))
     return prof
-
-
-def _class_path(backend: Backend) -> str | None:
-    """``module:Class`` when ``check`` can rebuild an equal backend from it (an importable class
-    whose constructor takes no argument), else None."""
-    cls = type(backend)
-    if "<" in cls.__qualname__ or cls.__module__ in ("__main__", "builtins"):
-        return None
-    try:
-        params = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        return None
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def load_backend(path: str) -> Backend:
-    """The backend named ``module:Class`` (a fresh instance) or ``module:instance``: how a
-    reproduce line names a backend that is not registered.
-
-    Examples
-    --------
-    >>> load_backend("fp8ref.kernels.reference:ReferenceBackend").name
-    'reference'
-    """
-    module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise ValueError(f"backend path must be 'module:Class', got {path!r}")
-    try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load backend {path!r}: {exc}") from None
-    backend = obj() if isinstance(obj, type) else obj
-    if not isinstance(backend, Backend):
-        raise TypeError(f"{path!r} is {type(backend).__name__}, not an fp8ref.Backend")
-    return backend
-
-
-def _backend_expr(backend: Backend) -> tuple[str, str]:
-    """(how the Python reproduce line names the backend, a comment saying what it is)."""
-    if _registered(backend):
-        return repr(backend.name), ""
-    path = _class_path(backend)
-    if path is not None:
-        return repr(path), ""
-    cls = type(backend)
-    return "<backend>", (f"  # <backend>: the {cls.__module__}.{cls.__qualname__} instance {backend.name!r} "
-                         f"(its class cannot be rebuilt from a path)")
-
-
-def _registered(backend: Backend) -> bool:
-    try:
-        return get_backend(backend.name) is backend
-    except KeyError:
-        return False
-
-
-def reproduce_line(backend: Backend, profile: str, seed: int, contract: str, scope: Scope | None = None) -> str:
-    """The call that reproduces a failure: always the Python call; for a backend registered
-    under its name (and a check not narrowed to schemes), the CLI command as well.
-
-    Examples
-    --------
-    >>> from fp8ref import get_backend
-    >>> from fp8ref.conformance.driver import reproduce_line
-    >>> print(reproduce_line(get_backend("reference"), "ci", 3, "scaled_mm.bound").replace("  or: ", "\\n"))
-    fp8ref.conformance.check('reference', profile='ci', seed=3, contracts=['scaled_mm.bound'])
-    fp8ref conformance --backend reference --profile ci --seed 3 --only scaled_mm.bound
-    """
-    who, note = _backend_expr(backend)
-    extra = ""
-    if scope is not None and tuple(scope.ops) != tuple(backend.ops):
-        extra += f", ops={tuple(scope.ops)!r}"
-    if scope is not None and scope.narrowed:
-        extra += ", schemes=<the same schemes>"
-    py = f"fp8ref.conformance.check({who}, profile={profile!r}, seed={seed}, contracts=[{contract!r}]{extra})"
-    if who.startswith("<") or (scope is not None and scope.narrowed):
-        return py + note
-    cli = f"fp8ref conformance --backend {who.strip(chr(39))} --profile {profile} --seed {seed} --only {contract}"
-    if scope is not None and tuple(scope.ops) != tuple(backend.ops):
-        cli += "".join(f" --ops {o}" for o in scope.ops)
-    return f"{py}  or: {cli}"
 
 
 def _claimed(backend: Backend, scope: Scope) -> str:
@@ -175,117 +100,236 @@ def _claimed(backend: Backend, scope: Scope) -> str:
 
 def check_contract(backend: Backend, contract: Contract | str, profile: Profile | str | None = "ci",
                    seed: int = 0, max_examples: int | None = None, sweep: bool = True,
-                   scope: Scope | None = None) -> ContractResult:
+                   scope: Scope | None = None, *, adapt: Adaptation | None = None) -> ContractResult:
     """Run one contract against ``backend`` and return its result (never raises for a violation).
 
     First the contract's pinned examples and the op's corner sweep (``sweep=False`` skips both, to
     measure what the search alone finds), then the Hypothesis search. A contract of an op outside
     ``scope.ops`` (default: the backend's declared ops) is "not claimed"; one of a claimed op on
-    which no example ran is "untested".
+    which no example ran is "untested". ``adapt`` maps every problem and names the reproduction
+    (``Adaptation``).
 
     Examples
     --------
     >>> from fp8ref import get_backend
     >>> from fp8ref.conformance import check_contract
-    >>> check_contract(get_backend("reference"), "quantize.sign_symmetry", "dev", seed=1).status
-    'pass'
+    >>> print(check_contract(get_backend("reference"), "quantize.sign_symmetry", "dev", seed=1).status)
+    pass
     """
-    with reference_threads():
-        return _check_contract(backend, contract, profile, seed, max_examples, sweep, scope)
-
-
-def _check_contract(backend, contract, profile, seed, max_examples, sweep, scope) -> ContractResult:
     contract = get_contract(contract) if isinstance(contract, str) else contract
-    prof = _profile_for(backend, get_profile(profile))
-    scope = scope if scope is not None else make_scope(backend)
-    t0 = time.perf_counter()
-    res = ContractResult(contract.name, contract.kind, PASS, op=contract.op)
-    missing = [op for op in (contract.op, *contract.requires) if op not in scope.ops]
-    if missing:
-        res.status = NOT_CLAIMED
-        why = "not declared by the backend" if missing[0] not in backend.ops else "not among the ops checked"
-        res.note = f"op {missing[0]} {why} (backend ops: {', '.join(backend.ops)})"
-        return res
-    res.reproduce = reproduce_line(backend, prof.name, seed, contract.name, scope)
-    cov = Coverage()
-    if contract.strategy is None:  # a probe: deterministic, no search
-        try:
-            contract.check(backend)
-            res.examples = res.sweep = 1
-        except Declined as exc:
-            res.status, res.note = UNTESTED, str(exc)
-            cov.decline(str(exc))
-        except AssertionError as exc:
-            res.status, res.message, res.counterexample = FAIL, str(exc), "accumulator probe (fixed input)"
-            res.examples_to_failure = 1
-        except Exception as exc:
-            res.status, res.message, res.counterexample = ERROR, f"{type(exc).__name__}: {exc}", "probe"
-            res.examples_to_failure = 1
-        res.coverage = cov.to_dict()
-        res.declined = sum(cov.declined.values())
+    run = _Run(backend, adapted(contract, adapt), _profile_for(backend, get_profile(profile)), seed,
+               scope if scope is not None else make_scope(backend), adapt)
+    with reference_threads():
+        return run.execute(max_examples, sweep)
+
+
+class ExitReason(enum.Enum):
+    """Why a contract's run ended."""
+
+    NOT_CLAIMED = "the contract's op is not claimed"
+    FINISHED = "every example ran"
+    FAILED = "an example failed or raised"
+    BUDGET = "the search's time budget was spent"
+    UNSATISFIABLE = "the search drew no example the backend takes"
+
+
+def classify(exc: BaseException) -> tuple[Status, str]:
+    """The status and message of an example that raised: a violation (``AssertionError``, which
+    ``ContractViolation`` is) is a failure, anything else an error of the backend."""
+    if isinstance(exc, AssertionError):
+        return FAIL, str(exc)
+    return ERROR, f"{type(exc).__name__}: {exc}"
+
+
+class _Run:
+    """One contract run against one backend: the state the sweep and the search share.
+
+    Attributes
+    ----------
+    n : int
+        Examples run (declined ones not counted).
+    worst : float or None
+        The largest error/bound ratio a check returned.
+    failure : tuple or None
+        ``(problem, exception)`` of the last failure recorded (in the search: the shrunk one).
+    first_fail_n : int or None
+        Examples run up to the first failure, the failing one included.
+    exit : ExitReason
+    """
+
+    def __init__(self, backend: Backend, contract: Contract, prof: Profile, seed: int, scope: Scope,
+                 adapt: Adaptation | None) -> None:
+        self.backend, self.contract, self.prof, self.seed, self.scope = backend, contract, prof, seed, scope
+        self.adapt = adapt
+        self.cov = Coverage()
+        self.n = 0
+        self.worst: float | None = None
+        self.failure: tuple[Any, BaseException] | None = None
+        self.first_fail_n: int | None = None
+        self.exit = ExitReason.FINISHED
+        self.res = ContractResult(contract.name, contract.kind, PASS, op=contract.op)
+
+    def run_one(self, problem) -> None:
+        ratio = self.contract.check(self.backend, problem)
+        self.n += 1
+        self.cov.add(problem.facets())
+        if ratio is not None and (self.worst is None or ratio > self.worst):
+            self.worst = ratio
+
+    def fail(self, problem, exc: BaseException, counterexample: str | None = None) -> None:
+        """Record a failure (or an error) of ``problem``; the one place that classifies it."""
+        self.exit = ExitReason.FAILED
+        self.failure = (problem, exc)
+        if self.first_fail_n is None:
+            self.first_fail_n = self.n + 1
+        self.res.status, self.res.message = classify(exc)
+        self.res.counterexample = counterexample if counterexample is not None else (
+            repr(problem) if problem is not None else None)
+        self.res.problem = problem_to_dict(problem) if problem is not None else None
+
+    def count_failure(self, problem, exc: BaseException) -> None:
+        """Count the failing example among the examples run (and in the coverage) and fold its
+        error/bound into the contract's worst: a violation's own ratio, inf for a violation without
+        one (a NaN code, differing bits); a crash of the backend has no ratio."""
+        self.n += 1
+        if problem is not None:
+            self.cov.add(problem.facets())
+        if isinstance(exc, ContractViolation):
+            ratio = math.inf if exc.ratio is None else exc.ratio
+        elif isinstance(exc, AssertionError):
+            ratio = math.inf
+        else:
+            return
+        self.worst = ratio if self.worst is None else max(self.worst, ratio)
+
+    def execute(self, max_examples: int | None, sweep: bool) -> ContractResult:
+        t0 = time.perf_counter()
+        contract, res, backend = self.contract, self.res, self.backend
+        missing = [op for op in (contract.op, *contract.requires) if op not in self.scope.ops]
+        if missing:
+            self.exit, res.status = ExitReason.NOT_CLAIMED, NOT_CLAIMED
+            why = "not declared by the backend" if missing[0] not in backend.ops else "not among the ops checked"
+            res.note = f"op {missing[0]} {why} (backend ops: {', '.join(backend.ops)})"
+            return res
+        res.reproduce = (reproduce_line(backend, self.prof.name, self.seed, contract.name, self.scope)
+                         if self.adapt is None or self.adapt.reproduce is None
+                         else self.adapt.reproduce(self.prof.name, self.seed, contract.name))
+        if contract.strategy is None:
+            self._probe()
+        else:
+            if sweep:
+                self._sweep()
+            if self.exit is ExitReason.FINISHED and max_examples != 0:
+                self._search(max_examples)
+        self._finish()
         res.seconds = time.perf_counter() - t0
-        if res.status == PASS:
-            res.reproduce = None
         return res
 
-    state: dict[str, Any] = {"n": 0, "worst": None, "fail": None, "budget": False, "first_fail_n": None}
+    def _probe(self) -> None:
+        """A probe contract: one deterministic measurement, no search."""
+        try:
+            self.contract.check(self.backend)
+            self.n = self.res.sweep = 1
+        except Declined as exc:
+            self.res.status, self.res.note = UNTESTED, str(exc)
+            self.cov.decline(str(exc))
+        except Exception as exc:  # noqa: BLE001 -- a violation or a crash of the backend, reported
+            self.fail(None, exc, "accumulator probe (fixed input)" if isinstance(exc, AssertionError) else "probe")
 
-    def run_one(problem):
-        ratio = contract.check(backend, problem)
-        state["n"] += 1
-        cov.add(problem.facets())
-        if ratio is not None and (state["worst"] is None or ratio > state["worst"]):
-            state["worst"] = ratio
-
-    failed_in_sweep = False
-    if sweep:
-        problems = [e for e in contract.examples if _in_scope(e, scope)] + _op_sweep(backend, contract, prof, seed,
-                                                                                      scope)
+    def _sweep(self) -> None:
+        scope = self.scope
+        problems = [e for e in self.contract.examples if _in_scope(e, scope)] + _op_sweep(
+            self.backend, self.contract, self.prof, self.seed, scope)
         for problem in problems:
             try:
-                run_one(problem)
+                self.run_one(problem)
             except Declined as exc:
-                cov.decline(str(exc))
+                self.cov.decline(str(exc))
             except Exception as exc:  # noqa: BLE001 -- a violation or a crash of the backend, reported
-                res.status = FAIL if isinstance(exc, AssertionError) else ERROR
-                res.counterexample = repr(problem)
-                res.problem = problem_to_dict(problem)
-                res.message = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
-                res.examples_to_failure = state["n"] + 1
-                _count_failure(state, cov, problem, exc)
-                failed_in_sweep = True
+                self.fail(problem, exc)
+                self.count_failure(problem, exc)
                 break
-        res.sweep = state["n"]
+        self.res.sweep = self.n
 
-    if not failed_in_sweep and max_examples != 0:
-        _search(backend, contract, prof, seed, max_examples, scope, state, cov, res, t0, run_one)
+    def _search(self, max_examples: int | None) -> None:
+        """The Hypothesis phase: draws from the contract's strategy until the profile's count (or
+        time budget) is spent or an example fails; a failure is shrunk and replayed last."""
+        prof, n_sweep = self.prof, self.n
+        t_search = time.perf_counter()
+        n = prof.max_examples if max_examples is None else max_examples
+        if self.contract.search_examples is not None:  # a contract's own cap (the calling contract's)
+            n = min(n, self.contract.search_examples)
 
-    res.examples = state["n"]
-    if state["budget"] and res.status == PASS:
-        res.note = (f"search stopped by the time budget of {prof.time_budget_s:g} s after "
-                    f"{state['n'] - res.sweep} examples (the sweep ran {res.sweep})")
-    res.declined = sum(cov.declined.values())
-    res.coverage = cov.to_dict()
-    res.worst_ratio = state["worst"]
-    if res.status == PASS and state["n"] == 0:
-        reasons = "; ".join(f"{r} (x{n})" for r, n in cov.declined.most_common(3)) or "nothing was drawn"
-        if contract.kind == "info":
-            res.status, res.note = NA, "no example applies: " + reasons
-        else:
-            res.status, res.note = UNTESTED, "no example ran (not certified): " + reasons
-    if contract.kind == "info" and res.status in (PASS, FAIL):
-        res.status = YES if res.status == PASS else NO
-    if res.status in (PASS, YES, NA, UNTESTED):
-        res.reproduce = None
-    res.seconds = time.perf_counter() - t0
-    return res
+        @settings(hypothesis_settings(prof, n), verbosity=Verbosity.quiet)
+        @hseed(self.seed)
+        @given(self.contract.strategy(prof, self.scope))
+        def search(problem):
+            if (prof.time_budget_s is not None and self.failure is None and self.n > n_sweep
+                    and time.perf_counter() - t_search > prof.time_budget_s):
+                raise _BudgetSpent  # ends the search at once (a failure being shrunk is not cut short)
+            try:
+                self.run_one(problem)
+            except Declined as exc:
+                self.cov.decline(str(exc))
+                reject()
+            except HypothesisException:
+                raise
+            except Exception as exc:
+                self.fail(problem, exc)  # the last failure recorded is the shrunk one, replayed last
+                raise
+
+        try:
+            search()
+        except _BudgetSpent:
+            self.exit = ExitReason.BUDGET
+        except Unsatisfiable:
+            self.exit = ExitReason.UNSATISFIABLE
+        except BaseException as exc:  # noqa: B036 -- Hypothesis raises ExceptionGroups / Flaky here too
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            if self.failure is None:  # raised outside an example (the strategy, Hypothesis itself)
+                self.fail(None, exc)
+            else:
+                self.fail(*self.failure)
+                self.count_failure(*self.failure)
+            if "Flaky" in type(exc).__name__:
+                self.res.message = "(fails only sometimes: non-deterministic) " + self.res.message
+            blob = _blob(exc)
+            if blob:
+                self.res.reproduce = f"{self.res.reproduce}  # or in a test: {blob}"
+
+    def _finish(self) -> None:
+        res, cov = self.res, self.cov
+        res.examples = self.n
+        if self.exit is ExitReason.FAILED:
+            res.examples_to_failure = self.first_fail_n
+        res.declined = sum(cov.declined.values())
+        res.coverage = cov.to_dict()
+        if self.contract.strategy is None:  # a probe: its status stands as the measurement left it
+            if res.status == PASS:
+                res.reproduce = None
+            return
+        res.worst_ratio = self.worst
+        if self.exit is ExitReason.BUDGET and res.status == PASS:
+            res.note = (f"search stopped by the time budget of {self.prof.time_budget_s:g} s after "
+                        f"{self.n - res.sweep} examples (the sweep ran {res.sweep})")
+        if res.status == PASS and self.n == 0:
+            reasons = "; ".join(f"{r} (x{n})" for r, n in cov.declined.most_common(3)) or "nothing was drawn"
+            if self.contract.kind == "info":
+                res.status, res.note = NA, "no example applies: " + reasons
+            else:
+                res.status, res.note = UNTESTED, "no example ran (not certified): " + reasons
+        if self.contract.kind == "info" and res.status in (PASS, FAIL):
+            res.status = YES if res.status == PASS else NO
+        if res.status in (PASS, YES, NA, UNTESTED):
+            res.reproduce = None
 
 
 def _in_scope(problem, scope: Scope) -> bool:
     """Whether a pinned example lies within a narrowed claim (always, for an un-narrowed one)."""
     if not scope.narrowed:
         return True
-    if hasattr(problem, "scheme"):
+    if isinstance(problem, QuantizeProblem):
         return problem.scheme in scope.schemes
     return problem.recipe in scope.recipes
 
@@ -312,76 +356,15 @@ def _op_sweep(backend: Backend, contract: Contract, prof: Profile, seed: int, sc
     return problems
 
 
-def _count_failure(state: dict, cov: Coverage, problem, exc: BaseException) -> None:
-    """Count the failing example among the examples run (and in the coverage) and fold its
-    error/bound into the contract's worst: a violation's own ratio, inf for a violation without
-    one (a NaN code, differing bits); a crash of the backend has no ratio."""
-    state["n"] += 1
-    if problem is not None:
-        cov.add(problem.facets())
-    if isinstance(exc, ContractViolation):
-        ratio = math.inf if exc.ratio is None else exc.ratio
-        state["worst"] = ratio if state["worst"] is None else max(state["worst"], ratio)
-    elif isinstance(exc, AssertionError):
-        state["worst"] = math.inf
-
-
 class _BudgetSpent(BaseException):  # noqa: N818 -- a signal, not an error: Hypothesis lets BaseExceptions through
     """Raised in the search when the time budget is spent; Hypothesis stops without shrinking."""
-
-
-def _search(backend, contract, prof, seed, max_examples, scope, state, cov, res, t0, run_one) -> None:
-    """The Hypothesis phase of ``check_contract`` (updates ``state``, ``cov`` and ``res``)."""
-    n_sweep = state["n"]
-    t_search = time.perf_counter()
-
-    @settings(hypothesis_settings(prof, max_examples), verbosity=Verbosity.quiet)
-    @hseed(seed)
-    @given(contract.strategy(prof, scope))
-    def run(problem):
-        if (prof.time_budget_s is not None and state["fail"] is None and state["n"] > n_sweep
-                and time.perf_counter() - t_search > prof.time_budget_s):
-            raise _BudgetSpent  # ends the search at once (a failure being shrunk is not cut short)
-        try:
-            run_one(problem)
-        except Declined as exc:
-            cov.decline(str(exc))
-            reject()
-        except HypothesisException:
-            raise
-        except Exception as exc:
-            if state["first_fail_n"] is None:
-                state["first_fail_n"] = state["n"] + 1
-            state["fail"] = (problem, exc)  # the last failure recorded is the shrunk one, replayed last
-            raise
-
-    try:
-        run()
-    except _BudgetSpent:
-        state["budget"] = True
-    except Unsatisfiable:
-        pass
-    except BaseException as exc:  # noqa: B036 -- Hypothesis raises ExceptionGroups / Flaky here too
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        problem, err = state["fail"] if state["fail"] else (None, exc)
-        res.status = FAIL if isinstance(err, AssertionError) else ERROR
-        res.counterexample = repr(problem) if problem is not None else None
-        res.problem = problem_to_dict(problem) if problem is not None else None
-        _count_failure(state, cov, problem, err)
-        res.message = str(err) if isinstance(err, AssertionError) else f"{type(err).__name__}: {err}"
-        res.examples_to_failure = state["first_fail_n"] or state["n"] + 1
-        if "Flaky" in type(exc).__name__:
-            res.message = "(fails only sometimes: non-deterministic) " + res.message
-        blob = _blob(exc)
-        if blob:
-            res.reproduce = f"{res.reproduce}  # or in a test: {blob}"
 
 
 def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: int | None = None, *,
           contracts: Sequence[str] | None = None, known_failures: Iterable[dict] | None = None,
           fail_fast: bool = False, max_examples: int | None = None, sweep: bool = True,
-          ops: Sequence[str] | None = None, schemes: Sequence[QuantScheme | Recipe] | None = None) -> Report:
+          ops: Sequence[str] | None = None, schemes: Sequence[QuantScheme | Recipe] | None = None,
+          adapt: Adaptation | None = None, on_contract: Callable[[str], None] | None = None) -> Report:
     """Certify ``backend`` against every contract of ``CONTRACTS`` (or the named ones).
 
     Parameters
@@ -415,6 +398,11 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
         Certify only for these schemes: quantize contracts draw the QuantSchemes (and the recipes'
         activation schemes), GEMM and linear contracts the Recipes (and each QuantScheme as
         activations with its dynamic twin as weights). The report says so.
+    adapt : Adaptation, optional
+        How the contracts meet a backend that is not fp8ref's own: its problem mapping (a peer's
+        conventions) and its reproduction command (``fp8ref.peers.certify`` passes one).
+    on_contract : callable, optional
+        Called with each contract's name once it has run (a caller's progress display).
 
     Returns
     -------
@@ -426,8 +414,8 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     --------
     >>> from fp8ref.conformance import check
     >>> report = check("reference", profile="dev", seed=0, contracts=["quantize.codes"])
-    >>> report.passed, report.results[0].status
-    (True, 'pass')
+    >>> print(report.passed, report.results[0].status)
+    True pass
     """
     if isinstance(backend, str):
         backend = load_backend(backend) if ":" in backend else get_backend(backend)
@@ -442,7 +430,8 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     eff = _profile_for(backend, prof)
     hints = ([f"max {eff.max_elems} elements and {eff.max_rows} rows per operand, secondary contracts on every "
               f"{eff.sweep_stride}th sweep item"] if eff.max_elems != prof.max_elems else []) + (
-        [f"{eff.max_examples} search examples per contract"] if eff.max_examples != prof.max_examples else [])
+        [f"{eff.max_examples} search examples per contract"] if eff.max_examples != prof.max_examples else []) + (
+        [f"time budget {eff.time_budget_s:g} s per contract"] if eff.time_budget_s != prof.time_budget_s else [])
     if hints:
         rep.profile = f"{prof.name} ({', '.join(hints)}, backend hint)"
     try:
@@ -458,8 +447,10 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
                   unit="contract") as bar:
         for c in selected:
             bar.set_postfix_str(c.name)
-            r = check_contract(backend, c, prof, seed, max_examples, sweep, scope)
+            r = check_contract(backend, c, prof, seed, max_examples, sweep, scope, adapt=adapt)
             bar.update(1)
+            if on_contract is not None:
+                on_contract(c.name)
             rep.results.append(r)
             if c.name == "scaled_mm.batch_invariant":
                 rep.batch_invariant = r.status if r.status in (YES, NO) else None

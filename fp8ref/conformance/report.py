@@ -6,6 +6,7 @@ into one table. Imports flow down: ``coverage`` and ``probe`` only; the driver b
 
 from __future__ import annotations
 
+import enum
 import json
 import platform
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,7 @@ import torch
 from .coverage import COVERAGE_COLUMNS, Coverage
 from .probe import PROBE_MAX_BITS
 
-__all__ = ["ContractResult", "Report", "merge_reports", "load_report", "apply_known_failures", "PASS", "FAIL",
+__all__ = ["Status", "ContractResult", "Report", "merge_reports", "load_report", "apply_known_failures", "PASS", "FAIL",
            "ERROR", "NA", "XFAIL", "XPASS", "YES", "NO", "UNTESTED", "NOT_CLAIMED", "V_PASS", "V_FAIL",
            "V_UNTESTED", "V_UNAVAILABLE"]
 
@@ -26,8 +27,24 @@ __all__ = ["ContractResult", "Report", "merge_reports", "load_report", "apply_kn
 #: contract of a claimed op on which no example ran (every one declined): the report is not a
 #: pass. ``not claimed``: a contract of an op the backend does not declare (or the check did not
 #: claim). ``n/a``: an info contract with no example.
-PASS, FAIL, ERROR, NA, XFAIL, XPASS, YES, NO = "pass", "fail", "error", "n/a", "xfail", "xpass", "yes", "no"
-UNTESTED, NOT_CLAIMED = "untested", "not claimed"
+class Status(enum.StrEnum):
+    """The status of one contract (a ``str``: JSON and older reports read it as its value)."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"
+    NA = "n/a"
+    XFAIL = "xfail"
+    XPASS = "xpass"
+    YES = "yes"
+    NO = "no"
+    UNTESTED = "untested"
+    NOT_CLAIMED = "not claimed"
+
+
+PASS, FAIL, ERROR, NA, XFAIL, XPASS, YES, NO = (Status.PASS, Status.FAIL, Status.ERROR, Status.NA, Status.XFAIL,
+                                                Status.XPASS, Status.YES, Status.NO)
+UNTESTED, NOT_CLAIMED = Status.UNTESTED, Status.NOT_CLAIMED
 _FAILING = {FAIL, ERROR, XPASS}
 #: Report verdicts.
 V_PASS, V_FAIL, V_UNTESTED, V_UNAVAILABLE = "pass", "fail", "untested", "unavailable"

@@ -277,7 +277,7 @@ def _quantize_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list
     main = claimed or QUANTIZE_SCHEMES
     across = claimed or _ACROSS_ROWS
 
-    def cands(rows, cols, x: TensorSpec, schemes, i, dtypes=INPUT_DTYPES, kinds=None):
+    def cands(rows, cols, x: TensorSpec, schemes, i, *, dtypes=INPUT_DTYPES, kinds=None):
         kinds = kinds or _static_kinds(i, seed)
         dt = _rot(dtypes, i + seed)[0]
         return [QuantizeProblem(rows, cols, dt, s, x, 0, kinds[j % len(kinds)])
@@ -447,7 +447,7 @@ def _linear_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[L
     main = _linear_recipes(claimed or GEMM_RECIPES)
     bias_modes = ((False, "random"), (True, "random"), (True, "cancel"))
 
-    def cands(M, N, K, x: TensorSpec, w: TensorSpec, recipes, i, kinds=None):
+    def cands(M, N, K, x: TensorSpec, w: TensorSpec, recipes, i, *, kinds=None):
         kinds = kinds or _static_kinds(i, seed)
         has_bias, mode = _rot(bias_modes, i + 2 * seed)[0]
         out = []

@@ -13,16 +13,16 @@ from typing import Any
 import torch
 
 from ..spec import quant
+from ..spec.checks import BIAS_NON_FINITE, check_finite
 from ..spec.fenv import ieee
-from ..spec.formats import get_format
 from ..spec.gemm import check_operands
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
 __all__ = ["ieee_methods", "PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "native_quant",
-           "native_rows", "native_format_args", "segment_scale", "check_finite", "check_mm_args", "empty_result",
-           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "BIAS_NON_FINITE", "check_codes"]
+           "native_rows", "native_format_args", "segment_scale", "standard_scale", "check_mm_args", "empty_result",
+           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32"]
 
 
 _IEEE_METHODS = ("quantize", "scaled_mm", "linear", "prepare_weight")
@@ -90,39 +90,6 @@ def unwrap(b: Quantized, backend: str) -> tuple[Quantized, dict[str, Any]]:
     return b, {}
 
 
-def check_finite(t: torch.Tensor, what: str, consequence: str = "") -> None:
-    """Raise ``ValueError`` naming ``what``, the count and the first NaN/Inf of ``t``, if it has one.
-
-    One reduction when ``t`` is finite (its sum, which is finite unless ``t`` holds NaN/Inf or the
-    sum overflows; only then is ``t`` scanned elementwise). ``fp8ref.linear``, the checkpoint
-    loader and the backends' ``check_mm_args`` share it, so every entry point words it alike.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from fp8ref.kernels._common import check_finite
-    >>> check_finite(torch.tensor([1.0, float("inf"), 3.0]), "bias")
-    Traceback (most recent call last):
-    ...
-    ValueError: bias contains 1 non-finite value(s) (first: inf at index (1,))
-    """
-    if t.numel() == 0:
-        return
-    # math.isfinite of the Python float: torch.isfinite on a 0-d tensor costs several times more.
-    if math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()):
-        return
-    bad = ~torch.isfinite(t)
-    n = int(bad.sum())
-    if n:
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{what} contains {n} non-finite value(s) (first: {t[idx].item()} at index {idx})"
-                         + (f"; {consequence}" if consequence else ""))
-
-
-#: What a non-finite bias does (the tail of its error message).
-BIAS_NON_FINITE = "those output columns would be NaN/Inf"
-
-
 def check_mm_args(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
     """The argument checks of the reference ``scaled_mm`` (same exceptions), the bias's NaN/Inf scan
     included: the spec raises there, and a kernel would return NaN columns (N elements, a
@@ -143,10 +110,12 @@ def empty_result(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Te
 
 
 def bias_fp32(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """The bias as fp32 on ``device`` (one rounding for a float64 bias, covered by the fp32 bound)."""
+    """The bias as a contiguous fp32 tensor on ``device`` (one rounding for a float64 bias, covered by
+    the fp32 bound; contiguous because native kernels take a pointer, and a caller's bias may be a
+    strided view)."""
     if bias is None:
         return None
-    return bias.to(device=device, dtype=torch.float32)
+    return bias.to(device=device, dtype=torch.float32).contiguous()
 
 
 def pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -234,6 +203,21 @@ def amax_all_finite(amax: torch.Tensor) -> bool:
     return amax.numel() == 0 or amax.max().item() < math.inf
 
 
+def standard_scale(amax: torch.Tensor, qmax: float, floor: float, pow2: bool = False) -> torch.Tensor:
+    """The spec's dynamic scale for a scheme with ``standard_scale_rule`` and fp32 scales, from the
+    fp32 block amaxes: ``s = max(amax, floor) / qmax`` (one fp32 division), 1 where that is 0,
+    rounded up to a power of two with ``pow2``, at least fp32's smallest normal
+    (``fp8ref.spec.quant.compute_scale`` with the general rule). The torch paths of
+    ``fast_quantize`` and of the CPU backends' fused quantizers share it.
+    """
+    s = torch.clamp(amax, min=floor) / qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    if pow2:
+        m, e = torch.frexp(s)  # s = m * 2**e, 0.5 <= m < 1; a power of two has m == 0.5
+        s = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
+    return torch.clamp(s, min=torch.finfo(torch.float32).tiny)
+
+
 def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
     """``fp8ref.quantize`` for dynamic schemes with fp32 scales, in fewer passes over ``x``.
 
@@ -290,13 +274,7 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
         return quant.quantize(x, scheme)
     if not amax_all_finite(amax):
         quant.check_float_input(x)  # raises with the location of the first bad element
-    s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    if scheme.pow2_scale:
-        m, e = torch.frexp(s)
-        s = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
-    info = torch.finfo(torch.float32)
-    s = torch.clamp(s, min=info.tiny)
+    s = standard_scale(amax, scheme.qmax, scheme.amax_floor, scheme.pow2_scale)
     # bf16/fp16 / fp32 promotes to fp32 (x widened exactly, one IEEE division): the spec's v, in a
     # single fresh fp32 buffer that the clamp then reuses.
     v = torch.div(x, expand(s))
@@ -310,24 +288,3 @@ def segment_scale(q: Quantized, k0: int, dtype: torch.dtype = torch.float32) -> 
     r, c = q.scheme.block_shape(rows, cols)
     col = q.scale[:, k0 // c].to(dtype)
     return col if r == 1 else col.repeat_interleave(r)[:rows]
-
-
-def check_codes(q: Quantized, what: str) -> None:
-    """Raise ``ValueError`` naming ``what`` if the FP8 codes of ``q`` hold NaN/Inf or its scales are
-    not finite and > 0 (a checkpoint or a foreign quantizer can produce either; every backend
-    would turn them into NaN outputs)."""
-    fmt = get_format(q.data.dtype)
-    values = fmt.code_values()
-    bad_codes = torch.nonzero(~torch.isfinite(values)).flatten().to(torch.uint8).to(q.data.device)
-    if bad_codes.numel():
-        bad = torch.isin(q.data.view(torch.uint8), bad_codes)
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in bad.nonzero()[0])
-            code = int(q.data.view(torch.uint8)[idx])
-            raise ValueError(f"{what} holds {int(bad.sum())} {fmt.name} code(s) that decode to NaN/Inf (first: "
-                             f"0x{code:02x} at index {idx}); a quantized weight must hold finite values")
-    s = q.scale
-    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
-        idx = tuple(int(i) for i in (~torch.isfinite(s) | (s <= 0)).nonzero()[0])
-        raise ValueError(f"{what} has scale {s[idx].item()} at index {idx}: dequantization scales must be finite "
-                         "and > 0")

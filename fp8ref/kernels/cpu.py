@@ -71,6 +71,7 @@ from ._common import (
     ieee_methods,
     native_rows,
     segment_scale,
+    standard_scale,
     unwrap,
 )
 
@@ -141,10 +142,7 @@ def _packed_linear(a: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def _row_scale(x: torch.Tensor, qmax: float, floor: float):
     """Per-row amax (fp32, exact) and the spec's dequantization scale."""
     amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
-    s = torch.clamp(amax, min=floor) / qmax
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    s = torch.clamp(s, min=torch.finfo(torch.float32).tiny)
-    return s, amax
+    return standard_scale(amax, qmax, floor), amax
 
 
 def _quant_codes(x: torch.Tensor, qmax: float, floor: float, fp8: torch.dtype):

@@ -41,13 +41,25 @@ import sys
 import torch
 
 from .._machine import cpu_flags, cpu_model
-from ..registry import Backend, Case, register_backend
+from ..registry import RAISE, Backend, Case, NonFinite, register_backend
 from ..spec.bounds import Accumulation
+from ..spec.checks import BIAS_NON_FINITE as _BIAS_NON_FINITE
+from ..spec.checks import check_finite
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
-from ._common import PreparedWeight, bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
+from ._common import (
+    PreparedWeight,
+    amax_all_finite,
+    bias_fp32,
+    check_mm_args,
+    empty_result,
+    fast_quantize,
+    ieee_methods,
+    native_quant,
+    unwrap,
+)
 
 __all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
            "PACKED_ROWS", "PATH_FLAGS"]
@@ -74,6 +86,8 @@ PACKED_ROWS = 256
 PATH_FLAGS = {"packed": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx512f", "avx512bw", "f16c"),
               "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
 _PATH_MAX_M = {"packed": MAX_M, "avx512": MAX_M_FALLBACK, "avx2": MAX_M_AVX2, "scalar": MAX_M_FALLBACK}
+#: Output (and bias) dtypes of the fused ``linear``'s fast path; others take the two calls.
+_OUT = (torch.float32, torch.bfloat16, torch.float16)
 #: The extension's ``fp8_e4m3_gemm`` code path numbers.
 _GEMM_ISA = {"avx512": 2, "avx2": 1, "scalar": 0}
 
@@ -149,6 +163,7 @@ class CpuFp8Backend(Backend):
     accumulation = Accumulation.FP32
     output_roundings = 1
     rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
+    non_finite = NonFinite(codes=RAISE)  # the kernel decodes NaN codes as 480: scaled_mm scans and refuses them
     #: use vdpbf16ps where the CPU has avx512_bf16 (else the fp16-decode + fp32 FMA paths)
     bf16_dot = True
     #: force one unpacked path (``"avx512"``, ``"avx2"``, ``"scalar"``; tests); None: the best one
@@ -207,7 +222,44 @@ class CpuFp8Backend(Backend):
         if _nan_codes(w.data):
             raise ValueError(f"the weight holds NaN codes; {self.name} does not propagate NaN")
         codes = w.data.contiguous().view(torch.uint8)
-        return PreparedWeight.wrap(w, self.name, codes=codes, packed=pack_weight(codes) if self._packed() else None)
+        N = codes.shape[0]
+        return PreparedWeight.wrap(w, self.name, codes=codes, packed=pack_weight(codes) if self._packed() else None,
+                                   sb=w.scale.to(torch.float32).reshape(-1).expand(N).contiguous())
+
+    def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+               scheme: QuantScheme | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``scaled_mm(quantize(x), w, bias, out_dtype)`` in one pass for a weight this backend prepared.
+
+        The same steps as the two calls, minus what a prepared weight and this backend's own
+        quantizer make redundant: no ``Quantized`` of the activations, no NaN-code scan of codes
+        the quantizer wrote from finite values, the weight's fp32 scales read from the prepared
+        copy. Anything else (an unprepared weight, a static scale, another scheme, a shape or dtype
+        the checks would refuse, an empty operand) takes the two calls, which raise or handle it.
+        Per-call cost this saves on the decode path: docs/performance.md ("per-call path").
+        """
+        b, extra = unwrap(w, self.name)
+        sb = extra.get("sb")
+        if (sb is None or scheme is None or scale is not None or type(x) is not torch.Tensor or x.dim() != 2
+                or x.shape[1] != b.data.shape[1] or not b.data.shape[0] or x.device.type != "cpu"
+                or out_dtype not in _OUT
+                or (bias is not None and (type(bias) is not torch.Tensor or bias.dtype not in _OUT
+                                          or bias.shape != (b.data.shape[0],) or bias.device.type != "cpu"))
+                or self._scheme_reason(scheme, "activation")):
+            return super().linear(x, w, bias, out_dtype, scheme, scale)
+        got = native_quant(x, scheme, 0)  # None: no extension, an empty x, a scheme it does not take
+        if got is None:
+            return super().linear(x, w, bias, out_dtype, scheme, scale)
+        codes_a, sa, amax = got
+        if not amax_all_finite(amax):
+            return super().linear(x, w, bias, out_dtype, scheme, scale)  # raises as the quantizer does
+        if bias is not None:
+            check_finite(bias, "bias", _BIAS_NON_FINITE)
+        M = codes_a.shape[0]
+        sa = sa.reshape(-1).expand(M).contiguous()  # fp32 already: [M, 1] rows or [1, 1] for the tensor
+        b32 = bias_fp32(bias, x.device)
+        y = self._gemm(native.require(), codes_a, extra["codes"], extra, sa, sb,
+                       (b32 if b32 is not None else sa, b32 is not None), out_dtype)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     def _packed(self) -> bool:
         """Whether the packed avx512_bf16 kernel runs (the CPU has the instructions; ``bf16_dot``)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..conformance.problems import GemmProblem, LinearProblem, QuantizeProblem
 from ..registry import Backend, Case
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme, Recipe
@@ -77,9 +78,8 @@ class Peer(Backend):
         The peer's numerics as read from its source (what the declaration rests on).
     modules : tuple of str
         Modules imported on first use; ``available()`` names the first that fails.
-    time_budget_s : float or None
-        A longer per-contract time budget than the profile's, for peers that compile per shape
-        (jax's XLA jit: about a second per new shape), so the pinned examples run; reports say so.
+    version : str or None
+        The installed version of ``distribution`` (None: not installed).
     """
 
     project: str = ""
@@ -87,20 +87,20 @@ class Peer(Backend):
     entry: str = ""
     notes: str = ""
     modules: tuple[str, ...] = ()
-    time_budget_s: float | None = None
 
-    def version(self) -> str | None:
+    @property
+    def version(self) -> str | None:  # type: ignore[override]
         return dist_version(self.distribution)
 
     def label(self) -> str:
-        return f"{self.project} {self.version() or '(not installed)'}"
+        return f"{self.project} {self.version or '(not installed)'}"
 
     def prepare(self) -> str | None:
         """Environment the peer needs before its first import (None, or the reason it cannot)."""
         return None
 
     def available(self) -> str | None:
-        if self.version() is None:
+        if self.version is None:
             return f"{self.distribution} is not installed (pip install 'fp8ref[peers]'; see docs/certified.md)"
         reason = self.prepare()
         if reason is not None:
@@ -114,11 +114,13 @@ class Peer(Backend):
 
     def map_problem(self, problem: Any) -> Any:
         """A conformance problem with its schemes rewritten by ``conventions`` (certify draws these)."""
-        if hasattr(problem, "scheme"):
+        if isinstance(problem, QuantizeProblem):
             return replace(problem, scheme=self.conventions(problem.scheme, problem.x_dtype))
-        if hasattr(problem, "recipe"):
+        if isinstance(problem, (GemmProblem, LinearProblem)):
             r = problem.recipe
-            x_dtype = getattr(problem, "x_dtype", torch.bfloat16)
+            # a GEMM problem has no input dtype (its operands come quantized): conventions that depend
+            # on it are taken for bf16 input
+            x_dtype = problem.x_dtype if isinstance(problem, LinearProblem) else torch.bfloat16
             recipe = Recipe(r.name, self.conventions(r.weight, x_dtype), self.conventions(r.activation, x_dtype))
             return replace(problem, recipe=recipe)
         return problem

@@ -1,10 +1,11 @@
 """Certify one peer: the conformance contracts on the schemes it computes, plus the measurements
 the certification matrix reports (expressible schemes, bit-exactness, non-finite inputs).
 
-The contracts are ``fp8ref.conformance.CONTRACTS``, each run by ``check_contract`` with its problems
-passed through ``Peer.map_problem`` (a peer's legitimate scale conventions filled in, docs/spec.md
-§3.1) -- never its defects. A failure's reproduce line is an ``fp8ref certify`` command, which
-works for these unregistered backends.
+The contracts run through the conformance driver (``fp8ref.conformance.check``) with the peer's
+``adaptation``: its problems pass through ``Peer.map_problem`` (a peer's legitimate scale
+conventions filled in, docs/spec.md §3.1) -- never its defects -- and a failure's reproduce line is
+an ``fp8ref certify`` command, which works for these unregistered backends. What stays here is
+peer-specific: the adaptation, and the measurements below.
 """
 
 from __future__ import annotations
@@ -12,27 +13,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..conformance import (
-    CONTRACTS,
-    ContractResult,
-    Report,
-    accumulator_bits,
-    apply_known_failures,
-    check_contract,
-    get_contract,
-)
+from ..conformance import Report
 from ..conformance import strategies as fst
-from ..conformance.profiles import get_profile, resolve_seed
+from ..conformance.contracts import CALLING_CONTRACT_NAMES, CONTRACTS
+from ..conformance.driver import Adaptation, check
 from ..registry import Case, decline_reason
 from ..spec import gemm, quant
 from ..spec.schemes import RECIPES, QuantScheme, Recipe
 from ._base import Peer
 
-__all__ = ["Certificate", "certify_peer", "mapped_contract", "expressible", "bit_exactness", "non_finite_behaviour"]
+__all__ = ["Certificate", "certify_peer", "adaptation", "run_contracts", "expressible", "bit_exactness",
+           "non_finite_behaviour"]
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -72,17 +67,12 @@ class Certificate:
         return cls(**d)
 
 
-def mapped_contract(peer: Peer, contract):
-    """``contract`` with its drawn, pinned and corner-sweep problems passed through ``peer.map_problem``."""
-    if contract.strategy is None:
-        return contract
-    strategy, adapt = contract.strategy, contract.sweep
-
-    def sweep(problems: list) -> list:
-        return [peer.map_problem(p) for p in (adapt(problems) if adapt is not None else problems)]
-
-    return replace(contract, strategy=lambda prof, scope=None: strategy(prof, scope).map(peer.map_problem),
-                   examples=tuple(peer.map_problem(e) for e in contract.examples), sweep=sweep)
+def adaptation(peer: Peer) -> Adaptation:
+    """What certifying ``peer`` changes in the driver's run: its problems pass through
+    ``peer.map_problem`` (its legitimate conventions, never its defects) and a failure reproduces
+    through ``fp8ref certify``, which reaches these unregistered backends."""
+    return Adaptation(map_problem=peer.map_problem,
+                      reproduce=lambda profile, seed, contract: _reproduce(peer, profile, seed, contract))
 
 
 def _reproduce(peer: Peer, profile: str, seed: int, contract: str) -> str:
@@ -92,55 +82,16 @@ def _reproduce(peer: Peer, profile: str, seed: int, contract: str) -> str:
 def run_contracts(peer: Peer, profile="ci", seed: int | None = None, contracts: Sequence[str] | None = None,
                   known_failures: Iterable[dict] | None = None,
                   on_contract: Callable[[str], None] | None = None) -> Report:
-    """The peer's conformance report over ``contracts`` (default: all), ledger applied."""
-    prof = get_profile(profile)
-    seed = resolve_seed(prof, seed)
-    rep = Report(peer.name, prof.name, seed, precision=peer.precision.value, accumulation=peer.accumulation.name,
-                 output_roundings=peer.output_roundings)
-    hint = getattr(peer, "conformance_max_elems", None)
-    if isinstance(hint, int) and hint < prof.max_elems:
-        rep.profile = f"{prof.name} (max {hint} elements per operand, backend hint)"
-    hint = getattr(peer, "conformance_max_examples", None)
-    if isinstance(hint, int) and hint < prof.max_examples:
-        rep.profile += f" ({hint} drawn examples per contract, backend hint)"
-    budget = getattr(peer, "time_budget_s", None)
-    # ci has no time budget (its work is bounded by counts: the verdict must not depend on the
-    # machine's speed); a peer's hint only widens the budget of the exploring profiles
-    if isinstance(budget, (int, float)) and prof.time_budget_s is not None and budget > prof.time_budget_s:
-        # a peer that compiles per shape (XLA) spends the budget before the pinned examples run
-        prof = prof.with_(time_budget_s=float(budget))
-        rep.profile += f" (time budget {budget:g} s per contract, peer hint)"
-    reason = peer.available()
-    if reason is not None:
-        rep.available, rep.reason = False, reason
-        return rep
-    t0 = time.perf_counter()
-    selected = CONTRACTS if contracts is None else tuple(get_contract(c) for c in contracts)
-    for c in selected:
-        if c.op not in peer.ops:  # every case would be declined: say so without spending the time budget
-            rep.results.append(ContractResult(c.name, c.kind, "n/a", note=f"the peer declares ops {tuple(peer.ops)}"))
-            if on_contract is not None:
-                on_contract(c.name)
-            continue
-        r = check_contract(peer, mapped_contract(peer, c), prof, seed)
-        if r.reproduce:
-            blob = r.reproduce.partition("  # or in a test:")[2]
-            r.reproduce = _reproduce(peer, prof.name, seed, c.name) + (f"  # or in a test:{blob}" if blob else "")
-        rep.results.append(r)
-        if c.name == "scaled_mm.batch_invariant":
-            rep.batch_invariant = r.status if r.status in ("yes", "no") else None
-        if on_contract is not None:
-            on_contract(c.name)
-    probe = [r for r in rep.results if r.contract == "scaled_mm.accumulator_bits"]
-    if probe and probe[0].status != "n/a":
-        try:
-            rep.accumulator_bits = accumulator_bits(peer)
-        except Exception:  # the probe contract reported the error
-            rep.accumulator_bits = None
-    if known_failures is not None:
-        apply_known_failures(rep, known_failures)
-    rep.seconds = time.perf_counter() - t0
-    return rep
+    """The peer's conformance report over ``contracts`` (default: all but the calling contract's),
+    ledger applied: the driver's ``check`` with the peer's ``adaptation``.
+
+    The calling contract (docs/spec.md §3.4) is not applied to peers by default: a peer's adapter
+    copies and re-lays out the operands (so layout, aliasing and lifetime would judge the adapter),
+    and its special values need the library's declared ``NonFinite``, which no adapter states yet."""
+    if contracts is None:
+        contracts = tuple(c.name for c in CONTRACTS if c.name not in CALLING_CONTRACT_NAMES)
+    return check(peer, profile, seed, contracts=contracts, known_failures=known_failures,
+                 adapt=adaptation(peer), on_contract=on_contract)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,7 +205,7 @@ def bit_exactness(peer: Peer, budget_s: float = 60.0) -> tuple[str, float | None
     t0 = time.perf_counter()
     if "quantize" in peer.ops:
         same_c = tot_c = same_s = tot_s = 0
-        rows, cols = (4, 128) if getattr(peer, "conformance_max_elems", None) else (32, 256)
+        rows, cols = (4, 128) if peer.conformance_max_elems else (32, 256)
         seen = set()
         for scheme, dt in _accepted_quantize(peer, rows, cols):
             key = (scheme, dt)
@@ -278,7 +229,7 @@ def bit_exactness(peer: Peer, budget_s: float = 60.0) -> tuple[str, float | None
             return "codes, scales", None, None, None, 0
         return "codes, scales", 100 * same_c / tot_c, 100 * same_s / tot_s, None, tot_c
     same = tot = 0
-    M, N, K = (16, 32, 256) if getattr(peer, "conformance_max_elems", None) else (32, 128, 256)
+    M, N, K = (16, 32, 256) if peer.conformance_max_elems else (32, 128, 256)
     for recipe, od, bias in _accepted_gemm(peer):
         if time.perf_counter() - t0 > budget_s:
             break
@@ -366,7 +317,7 @@ def certify_peer(peer: Peer, profile="ci", seed: int | None = None, contracts: S
     report = run_contracts(peer, profile, seed, contracts, known_failures, on_contract)
     acc = peer.accumulation
     decl = f"{acc.name} accumulation, {peer.output_roundings} output rounding(s) [{peer.precision.value}]"
-    cert = Certificate(peer.name, peer.project, peer.version(), peer.entry, peer.notes, list(peer.ops), decl, report)
+    cert = Certificate(peer.name, peer.project, peer.version, peer.entry, peer.notes, list(peer.ops), decl, report)
     if report.available and measure:
         cert.expressible = expressible(peer)
         label, c, s, o, n = bit_exactness(peer)

@@ -6,9 +6,10 @@ import json
 import re
 from collections.abc import Sequence
 
+from ..conformance.report import ERROR, FAIL, NA, NOT_CLAIMED, XFAIL, XPASS
 from .certify import Certificate, fmt_pct
 
-__all__ = ["render", "verdicts", "recorded_verdicts", "compare"]
+__all__ = ["render", "merge", "verdicts", "recorded_verdicts", "compare"]
 
 _MARK = "fp8ref-certify-verdicts"
 
@@ -33,7 +34,9 @@ Regenerate this page with `fp8ref certify` (about 30 minutes on 2 cores: the Tri
 the interpreter); `fp8ref certify --peer NAME --only CONTRACT` reproduces one result;
 `tests/test_peers.py` recomputes the onnxruntime and torchao rows in CI and fails when their verdicts
 no longer match this page."""
-_FAILING = ("fail", "error", "xpass")
+_FAILING = (FAIL, ERROR, XPASS)
+#: Contracts that did not run for the peer: an op it does not declare, an info contract with no example.
+_NOT_RUN = (NA, NOT_CLAIMED)
 
 
 def _md(s: str) -> str:
@@ -51,18 +54,18 @@ def _verdict(cert: Certificate) -> str:
     rep = cert.report
     if not rep.available:
         return "not run here"
-    ran = sum(r.examples for r in rep.results if r.status not in ("n/a",))
+    ran = sum(r.examples for r in rep.results if r.status not in _NOT_RUN)
     if ran == 0:
         return "**no examples ran** (not certified)"
     if any(r.status in _FAILING for r in rep.results):
         return "**FAILED**"
-    if any(r.status == "xfail" for r in rep.results):
+    if any(r.status == XFAIL for r in rep.results):
         return "**FAILED** (known, ledger)"
     return "certified"
 
 
 def _failing(cert: Certificate) -> str:
-    bad = [r for r in cert.report.results if r.status in _FAILING + ("xfail",)]
+    bad = [r for r in cert.report.results if r.status in _FAILING + (XFAIL,)]
     return ", ".join(f"{r.contract} ({r.status})" for r in bad) or "-"
 
 
@@ -76,7 +79,7 @@ def _exact(cert: Certificate) -> str:
 
 def _coverage(cert: Certificate) -> str:
     res = cert.report.results
-    run = [r for r in res if r.status != "n/a"]
+    run = [r for r in res if r.status not in _NOT_RUN]
     return f"{len(run)}/{len(res)} contracts, {sum(r.examples for r in res)} examples" if res else ""
 
 
@@ -141,6 +144,71 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
             out.append(f"| {r.contract} | {r.status} | {r.examples} | {r.declined} | {ratio} | {_md(detail[:700])} |")
         out.append("")
     data = {c.peer: verdicts(c) for c in certs}
+    out.append(f"<!-- {_MARK} {json.dumps(data, sort_keys=True)} -->")
+    return "\n".join(out) + "\n"
+
+
+_ROW = re.compile(r"^\| `([^`]+)` \(")
+_SECTION = re.compile(r"^### `([^`]+)`: ")
+_MERGED = "Rows merged by `fp8ref certify --merge`"
+
+
+def _split(text: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """A rendered matrix as (preamble lines before the table, row per peer, section per peer)."""
+    lines = text.splitlines()
+    pre: list[str] = []
+    rows: dict[str, str] = {}
+    secs: dict[str, list[str]] = {}
+    current = None
+    in_table = False
+    for line in lines:
+        if line.startswith("| implementation |"):
+            in_table = True
+            continue
+        if not in_table:
+            pre.append(line)
+            continue
+        m = _ROW.match(line)
+        if m and current is None:
+            rows[m.group(1)] = line
+            continue
+        m = _SECTION.match(line)
+        if m:
+            current = m.group(1)
+            secs[current] = [line]
+            continue
+        if line.startswith(f"<!-- {_MARK} "):
+            current = None
+            continue
+        if current is not None:
+            secs[current].append(line)
+    while pre and not pre[-1].strip():
+        pre.pop()
+    return pre, rows, {k: "\n".join(v).rstrip("\n") for k, v in secs.items()}
+
+
+def merge(text: str, certs: Sequence[Certificate], header: dict, order: Sequence[str]) -> str:
+    """``text`` (a rendered ``docs/certified.md``) with the rows, sections and verdicts of ``certs``
+    put in -- replacing those peers' old ones -- and every other peer's kept as recorded; rows follow
+    ``order`` (the peers' matrix order). A line under the header names the merged rows and the
+    machine and versions they were computed with, so that a page whose rows come from two runs says so."""
+    fresh = render(certs, header)
+    pre, rows, secs = _split(text)
+    _, new_rows, new_secs = _split(fresh)
+    rows.update(new_rows)
+    secs.update(new_secs)
+    names = [n for n in order if n in rows] + [n for n in rows if n not in order]
+    data = recorded_verdicts(text)
+    data.update({c.peer: verdicts(c) for c in certs})
+    note = (f"{_MERGED} (profile `{header['profile']}`, seed {header['seed']}) on {header['machine']}; "
+            f"{header['versions']}: " + ", ".join(f"`{c.peer}`" for c in certs) + ".")
+    table = fresh.splitlines()
+    head = [table.index(line) for line in table if line.startswith("| implementation |")][0]
+    out = pre + [note, ""] + table[head:head + 2] + [rows[n] for n in names]
+    out += ["", INSTALL, "", "## Per implementation", ""]
+    for n in names:
+        if n in secs:
+            out += [secs[n], ""]
     out.append(f"<!-- {_MARK} {json.dumps(data, sort_keys=True)} -->")
     return "\n".join(out) + "\n"
 

@@ -14,6 +14,10 @@ dequantize-then-MatMul (ORT's CPU provider has no FP8 GEMM).
   fp32 rounding each), ``MatMul(A, B^T)`` (MLAS fp32 GEMM), ``Add(bias)`` in fp32; the fp32 result
   is rounded once to the output dtype by torch (an ONNX ``Cast`` does the same, but ORT cannot return
   bf16 to numpy).
+* ``onnx-reference-qdq``: the same graphs run by onnx's pure-Python ``onnx.reference.ReferenceEvaluator``
+  (the executable form of the operator specification, numpy and ml_dtypes underneath) instead of
+  ORT: QuantizeLinear is ``x / y_scale`` in fp32, rounded to nearest even by ml_dtypes' cast, with
+  saturation; the GEMM is numpy's fp32 ``MatMul``.
 """
 
 from __future__ import annotations
@@ -77,8 +81,28 @@ def _session(graph):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+class _Reference:
+    """onnx's ReferenceEvaluator behind the ``run(None, feeds)`` call an ORT session answers."""
+
+    def __init__(self, model):
+        from onnx.reference import ReferenceEvaluator
+
+        self._ev = ReferenceEvaluator(model)
+
+    def run(self, outputs, feeds):
+        return self._ev.run(outputs, feeds)
+
+
+def _reference_session(graph):
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)])
+    model.ir_version = 10
+    return _Reference(model)
+
+
 @functools.lru_cache(maxsize=64)
-def _quantize_session(fmt, attrs: tuple, scale_shape: tuple[int, ...]):
+def _quantize_session(fmt, attrs: tuple, scale_shape: tuple[int, ...], reference: bool = False):
     from onnx import TensorProto, helper
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, None)
@@ -89,11 +113,12 @@ def _quantize_session(fmt, attrs: tuple, scale_shape: tuple[int, ...]):
              helper.make_node("DequantizeLinear", ["y", "one", "zp0"], ["v"])]
     graph = helper.make_graph(nodes, "fp8ref_quantize", [x, s], [v],
                               initializer=[_zero_point("zp", fmt, scale_shape), one, _zero_point("zp0", fmt, ())])
-    return _session(graph)
+    return _reference_session(graph) if reference else _session(graph)
 
 
 @functools.lru_cache(maxsize=64)
-def _gemm_session(fa, a_attrs: tuple, a_shape: tuple, fb, b_attrs: tuple, b_shape: tuple, bias: bool):
+def _gemm_session(fa, a_attrs: tuple, a_shape: tuple, fb, b_attrs: tuple, b_shape: tuple, bias: bool,
+                  reference: bool = False):
     from onnx import TensorProto, helper
 
     # The codes enter as their fp32 values and are cast to FP8 exactly (ORT's Python API takes no
@@ -111,7 +136,7 @@ def _gemm_session(fa, a_attrs: tuple, a_shape: tuple, fb, b_attrs: tuple, b_shap
     out = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
     graph = helper.make_graph(nodes, "fp8ref_gemm", inputs, [out],
                               initializer=[_zero_point("za", fa, a_shape), _zero_point("zb", fb, b_shape)])
-    return _session(graph)
+    return _reference_session(graph) if reference else _session(graph)
 
 
 class OnnxRuntimeQDQ(Peer):
@@ -123,6 +148,7 @@ class OnnxRuntimeQDQ(Peer):
     notes = "codes = saturate(RNE(x / s)) fp32, s given (fp8ref's); GEMM: fp32 dequantize, fp32 MatMul, fp32 bias"
     ops = ("quantize", "scaled_mm")
     output_roundings = 1
+    reference = False  #: run the graphs with onnx's ReferenceEvaluator instead of ORT
 
     def supports(self, case: Case) -> str | None:
         if torch.device(case.device).type != "cpu":
@@ -144,7 +170,7 @@ class OnnxRuntimeQDQ(Peer):
         s = compute_scale(x, scheme) if scale is None else scale.reshape(scheme.scale_shape(rows, cols))
         s = s.to(scheme.scale_dtype)
         arg = _scale_arg(s, scheme)
-        sess = _quantize_session(scheme.format, tuple(sorted(_qdq_attrs(scheme).items())), arg.shape)
+        sess = _quantize_session(scheme.format, tuple(sorted(_qdq_attrs(scheme).items())), arg.shape, self.reference)
         v = sess.run(None, {"x": x.to(torch.float32).numpy(), "s": arg})[0]
         data = torch.from_numpy(v).to(scheme.format.torch_dtype)
         return Quantized(data, s, scheme)
@@ -153,7 +179,8 @@ class OnnxRuntimeQDQ(Peer):
         M, N = a.data.shape[0], b.data.shape[0]
         sa, sb = _scale_arg(a.scale, a.scheme), _scale_arg(b.scale, b.scheme)
         sess = _gemm_session(a.scheme.format, tuple(sorted(_qdq_attrs(a.scheme).items())), sa.shape,
-                             b.scheme.format, tuple(sorted(_qdq_attrs(b.scheme).items())), sb.shape, bias is not None)
+                             b.scheme.format, tuple(sorted(_qdq_attrs(b.scheme).items())), sb.shape, bias is not None,
+                             self.reference)
         feeds = {"a": a.data.to(torch.float32).numpy(), "sa": sa, "b": b.data.to(torch.float32).numpy(), "sb": sb}
         if bias is not None:
             feeds["bias"] = bias.to(torch.float32).numpy()
@@ -161,4 +188,15 @@ class OnnxRuntimeQDQ(Peer):
         return torch.from_numpy(out).reshape(M, N).to(out_dtype)
 
 
-PEERS = (OnnxRuntimeQDQ(),)
+class OnnxReferenceQDQ(OnnxRuntimeQDQ):
+    name = "onnx-reference-qdq"
+    project = "ONNX (reference implementation)"
+    distribution = "onnx"
+    entry = "onnx.reference.ReferenceEvaluator: QuantizeLinear(saturate=1) / DequantizeLinear + MatMul, opset 21"
+    modules = ("onnx.reference",)
+    notes = ("codes = saturate(RNE(x / s)) fp32 (numpy + ml_dtypes), s given (fp8ref's); GEMM: fp32 dequantize, "
+             "numpy fp32 MatMul, fp32 bias")
+    reference = True
+
+
+PEERS = (OnnxRuntimeQDQ(), OnnxReferenceQDQ())

@@ -15,6 +15,25 @@ Read from ``sglang/kernels/ops/quantization/fp8_kernel.py`` and ``sglang/kernels
   rounded to the output dtype, *then* ``+ bias`` in the output dtype: two roundings when there is a
   bias (vLLM's copy of the kernel adds the bias before the rounding).
 
+The seed's own path, ``--quantization w8a8_fp8`` on an unquantized (fp16/bf16) checkpoint, read from
+``sglang/srt/layers/quantization/w8a8_fp8.py``: ``W8A8Fp8LinearMethod.process_weights_after_loading``
+quantizes ``layer.weight`` [N, K] once at load time and stores the codes transposed ([K, N] view):
+
+* without CUTLASS (``cutlass_fp8_supported()`` is False on every non-CUDA device, and on CUDA
+  before SM89): ``fp8_utils.input_to_float8`` -- ``amax = max(|min|, |max|)`` in the weight's
+  dtype, then fp32, floored at 1e-12; ``m = 448 / amax`` (fp32); codes ``cast(clamp(x.float() * m))``;
+  the stored scale is ``m.reciprocal()`` = ``1 / (448 / amax)``, within one ulp of ``amax / 448``;
+* with CUTLASS (SM89+ with CUDA 12.4, SM90+ with 12.0): ``per_token_group_quant_fp8(weight, K)``,
+  one group per output channel (eps 1e-10), its [N, 1] scales stored transposed as [1, N].
+
+The adapter builds the layer the method expects (a module holding ``weight``) and calls the method
+itself; the CUTLASS variant sets the method's ``cutlass_fp8_supported`` attribute, which the
+method's constructor fills from the device. Importing ``w8a8_fp8`` pulls in SGLang's model configs,
+two of which import torchvision at module level (image preprocessing for vision models); a
+torchvision built for this torch is not on PyPI, so when ``import torchvision`` fails a stand-in
+whose every attribute refuses to be called goes in first (transformers is asked beforehand, so it
+keeps reporting torchvision as absent).
+
 Harness needs (docs/certified.md): ``TRITON_INTERPRET=1``; the GEMM module imports
 ``sglang.srt.layers.deep_gemm_wrapper``, whose import chain needs torchvision (a CUDA-built wheel
 for another torch), so a stub that refuses every DeepGEMM call stands in when the real module does
@@ -24,21 +43,85 @@ take, so the module's lookup returns ``"cpu"`` (no tuned config exists for it: t
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
 import torch
 
 from ..registry import Case
+from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
-from ..spec.schemes import QuantScheme
-from ._triton import BlockGemmPeer, GivenScaleQuantPeer, GroupQuantPeer, ScaledMMPeer, reference_tensor_scale
+from ..spec.schemes import Granularity, QuantScheme
+from ._base import Peer
+from ._triton import (
+    BlockGemmPeer,
+    GivenScaleQuantPeer,
+    GroupQuantPeer,
+    ScaledMMPeer,
+    TritonPeer,
+    reference_tensor_scale,
+)
 
 __all__ = ["PEERS"]
 
 _QUANT = "sglang.kernels.ops.quantization.fp8_kernel"
 _GEMM = "sglang.kernels.ops.gemm.fp8_kernel"
 _DEEP_GEMM = "sglang.srt.layers.deep_gemm_wrapper"
+_W8A8 = "sglang.srt.layers.quantization.w8a8_fp8"
+_TORCHVISION = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+
+
+class _Refused:
+    """An attribute of the torchvision stand-in: any further attribute is another one; calling raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Refused(f"{self._name}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: torchvision is not available (fp8ref's stand-in for SGLang's imports)")
+
+
+class _RefusingModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Refused(f"{self.__name__}.{name}")
+
+
+def _stub_torchvision() -> None:
+    """Install a torchvision stand-in if the real one does not import (no CPU build for this torch).
+
+    SGLang's model-config package imports ``torchvision.transforms`` for vision preprocessing that
+    FP8 weight quantization never runs. transformers is asked first (it caches the answer), so it
+    keeps treating torchvision as absent instead of reaching into the stand-in.
+    """
+    if "torchvision" in sys.modules:
+        return
+    try:
+        __import__("torchvision")
+        return
+    except Exception:
+        for name in list(sys.modules):
+            if name == "torchvision" or name.startswith("torchvision."):
+                sys.modules.pop(name)
+    try:
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
+    except Exception:  # transformers absent or laid out differently: nothing cached to protect
+        pass
+    for name in _TORCHVISION:
+        mod = _RefusingModule(name)
+        mod.__doc__ = "fp8ref stand-in: torchvision does not import here; every attribute refuses to be called."
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        mod.__path__ = []
+        sys.modules[name] = mod
 
 
 def _stub_deep_gemm() -> None:
@@ -173,5 +256,85 @@ class SGLangScaledMM(_SGLangGemm, ScaledMMPeer):
         return _gemm_module().triton_scaled_mm
 
 
+class _OnlineW8A8:
+    """SGLang's online weight quantization: ``W8A8Fp8LinearMethod.process_weights_after_loading`` on
+    a layer holding the unquantized weight (``x`` plays the weight [N, K])."""
+
+    ops = ("quantize",)
+    cutlass = False
+
+    def prepare(self) -> str | None:
+        reason = super().prepare()
+        if reason is None:
+            _stub_torchvision()
+        return reason
+
+    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
+        # the source fixes its amax floor; any positive floor is the same convention at another value
+        if scheme.amax_floor > 0 and scheme.granularity is self.granularity:
+            return scheme.with_(amax_floor=self.eps)
+        return scheme
+
+    def _supports(self, case: Case) -> str | None:
+        s = self._case_scheme(case)
+        if s.format != E4M3FN or s.qmax != E4M3FN.max:
+            return "e4m3fn clamped at 448 only (fp8_dtype on a non-ROCm device)"
+        if not s.dynamic:
+            return "the weight's scale is computed at load time (dynamic)"
+        if s.granularity is not self.granularity:
+            return f"this path quantizes per {self.granularity.value}"
+        if s.amax_floor != self.eps:
+            return f"amax floor {self.eps:g} is fixed in the source"
+        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
+            return "plain fp32 scales"
+        if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"weight dtype {case.x_dtype}"
+        return None
+
+    def _process(self, x: torch.Tensor) -> torch.nn.Module:
+        from sglang.srt.layers.quantization.w8a8_fp8 import W8A8Fp8Config, W8A8Fp8LinearMethod
+
+        method = W8A8Fp8LinearMethod(W8A8Fp8Config(is_checkpoint_fp8_serialized=False))
+        method.cutlass_fp8_supported = self.cutlass
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(x.clone(), requires_grad=False)
+        method.process_weights_after_loading(layer)
+        return layer
+
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        if scale is not None:
+            raise ValueError(f"{self.name}: the weight's scale is computed at load time")
+        layer = self._process(x.contiguous())
+        # the method stores qweight.t() (a [K, N] view) and the scale as [] or [1, N]
+        return self._quantized(layer.weight.data.t(), layer.weight_scale.data.reshape(-1, 1), scheme)
+
+
+class SGLangOnlineW8A8(_OnlineW8A8, _SGLang, Peer):
+    name = "sglang-online-w8a8"
+    entry = f"{_W8A8}.W8A8Fp8LinearMethod.process_weights_after_loading (fp16/bf16 checkpoint, no CUTLASS)"
+    modules = (_W8A8,)
+    notes = ("input_to_float8: amax = max(|min|, |max|) floored at 1e-12 (fp32); m = 448/amax; "
+             "codes = cast(clamp(x.float() * m)); s = 1/m")
+    granularity = Granularity.TENSOR
+    eps = 1e-12
+
+    def supports(self, case: Case) -> str | None:
+        return self._supports(case)
+
+
+class SGLangOnlineW8A8Cutlass(_OnlineW8A8, _SGLang, TritonPeer):
+    name = "sglang-online-w8a8-cutlass"
+    entry = (f"{_W8A8}.W8A8Fp8LinearMethod.process_weights_after_loading (fp16/bf16 checkpoint, CUTLASS: "
+             "per_token_group_quant_fp8 per output channel)")
+    modules = (_W8A8,)
+    notes = "per_token_group_quant_fp8(weight, K): s = max(amax, 1e-10)/448 fp32; codes = cast(clamp(x / s))"
+    granularity = Granularity.ROW
+    eps = 1e-10
+    cutlass = True
+
+    def _process(self, x: torch.Tensor) -> torch.nn.Module:
+        return self.call(super()._process, x)
+
+
 PEERS = (SGLangGroupQuant(), SGLangGroupQuantColMajor(), SGLangStaticQuant(), SGLangMLATensorQuant(),
-         SGLangBlockGemm(), SGLangScaledMM())
+         SGLangBlockGemm(), SGLangScaledMM(), SGLangOnlineW8A8(), SGLangOnlineW8A8Cutlass())

@@ -15,7 +15,8 @@ above it; ``fp8ref.api`` (``fp8ref.linear``) imports it.
 - ``keys``: the cache key (M bucket, device name, versions, candidates' declarations);
 - ``decision``: ``Decision``, ``Row``, ``ProbeResult`` and the two errors;
 - ``inputs``: the probe's random and adversarial rows;
-- ``compliance``: the probe itself (``probe``);
+- ``compliance``: the probe itself (``probe``), judging every result through ``fp8ref.spec.compare``
+  and ``fp8ref.spec.bounds`` (the comparison and tolerance rules the conformance contracts use);
 - ``timing``: medians, the interleaved run-off, the selector's clock;
 - ``cache``: memory, disk and run-time failure marks;
 - ``selector``: candidates, the selection run, ``select`` and ``resolve``;
@@ -31,8 +32,14 @@ FP8REF_BACKEND
 FP8REF_CANDIDATES
     Comma-separated backend names: restrict "auto" to these (the reference is always added, as
     the fallback that is always able).
+FP8REF_ALLOW_BACKENDS
+    Comma-separated names of entry-point backends "auto" may consider without ``candidates=``
+    (``*``: all); by default an installed plug-in is usable by name only.
 FP8REF_CACHE_DIR
     Directory of the on-disk cache (default ``~/.cache/fp8ref``).
+FP8REF_CACHE_LOCK_TIMEOUT
+    Seconds a write waits for the cache's lock (default 10) before it proceeds without the disk
+    cache, with one warning.
 """
 
 import sys as _sys

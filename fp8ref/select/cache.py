@@ -4,7 +4,15 @@ run-time failure marks.
 Lookup order (``selector.select``): memory -> disk -> probe and time. The file is
 ``$FP8REF_CACHE_DIR/select-v1.json`` (default ``~/.cache/fp8ref``); a corrupt (not UTF-8 JSON),
 unreadable or stale one (other schema or fp8ref version) is ignored with a warning and rebuilt, and a
-cache that cannot be written costs a warning, never an inference. The selector re-checks what it
+cache that cannot be written costs a warning, never an inference.
+
+The disk cache is optional, and behaves so against other processes: only a regular file of at
+most ``MAX_CACHE_BYTES`` is read (a FIFO, a device or a link to an endless file at the path is
+ignored with a warning, never opened for a blocking or unbounded read); a write waits at most
+``FP8REF_CACHE_LOCK_TIMEOUT`` seconds (default 10) for the lock, then proceeds without the disk
+cache and warns once per process (a writer stopped with SIGSTOP, or hung, holds it); and the
+temporary files of writers killed mid-write (SIGKILL) are removed by the next writer, which holds
+the lock, so no live writer can own them. The selector re-checks what it
 reads (``selector._stale_reason``): the file is a cache, not a trusted input. ``generation()``
 changes whenever a kept decision may have changed, which invalidates ``fp8ref.linear``'s
 per-weight dispatch tables.
@@ -15,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,10 +33,17 @@ from .._io import atomic_write
 from .decision import Decision
 from .keys import fp8ref_version
 
-__all__ = ["ENV_CACHE_DIR", "CACHE_SCHEMA", "cache_file", "clear_cache", "generation", "bump_generation",
+__all__ = ["ENV_CACHE_DIR", "ENV_LOCK_TIMEOUT", "MAX_CACHE_BYTES", "CACHE_SCHEMA", "lock_timeout",
+            "cache_file", "clear_cache", "generation", "bump_generation",
            "read_disk", "write_disk", "lookup_disk", "remember", "recall", "mark_failed", "is_failed"]
 
 ENV_CACHE_DIR = "FP8REF_CACHE_DIR"
+ENV_LOCK_TIMEOUT = "FP8REF_CACHE_LOCK_TIMEOUT"
+#: Seconds a write waits for the lock when ``FP8REF_CACHE_LOCK_TIMEOUT`` is unset: a selection takes
+#: seconds, a merge milliseconds, so a lock held longer is a stopped or hung writer.
+DEFAULT_LOCK_TIMEOUT = 10.0
+#: The largest cache file read (a decision is ~2 KB; tens of thousands of them fit).
+MAX_CACHE_BYTES = 64 * 2**20
 #: Version of the on-disk layout; a file with another schema is ignored (with a warning) and rebuilt.
 CACHE_SCHEMA = 1
 _CACHE_NAME = f"select-v{CACHE_SCHEMA}.json"
@@ -79,14 +96,40 @@ def bump_generation() -> None:
     _GENERATION[0] += 1
 
 
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``MAX_CACHE_BYTES``, else ``OSError``.
+    Opened non-blocking (a FIFO would block ``open`` until a writer appears) and checked with
+    ``fstat`` on the open descriptor (no race between a check and the open); at most
+    ``MAX_CACHE_BYTES + 1`` bytes are read, whatever the file grows to meanwhile."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > MAX_CACHE_BYTES:
+            raise OSError(f"{st.st_size} bytes, more than the {MAX_CACHE_BYTES} a cache file may hold")
+        chunks, size = [], 0
+        while size <= MAX_CACHE_BYTES:
+            chunk = os.read(fd, min(1 << 20, MAX_CACHE_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_CACHE_BYTES:
+            raise OSError(f"grew past the {MAX_CACHE_BYTES} bytes a cache file may hold while being read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_disk(path: Path, *, warn: bool) -> dict[str, Any] | None:
     try:
-        raw = path.read_bytes()
+        raw = _read_bounded(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
         if warn:
-            warnings.warn(f"fp8ref: cannot read selection cache {path}: {exc}", stacklevel=4)
+            warnings.warn(f"fp8ref: cannot read selection cache {path}: {exc}; selecting without it", stacklevel=4)
         return None
     try:
         data = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError: a corrupt file too
@@ -106,28 +149,85 @@ def read_disk(path: Path, *, warn: bool) -> dict[str, Any] | None:
     return data
 
 
+class _LockTimeout(OSError):
+    """The cache's lock stayed held past the timeout."""
+
+
+def lock_timeout() -> float:
+    """Seconds a write waits for the lock: ``FP8REF_CACHE_LOCK_TIMEOUT`` (a number >= 0), else 10."""
+    raw = os.environ.get(ENV_LOCK_TIMEOUT)
+    if raw:
+        try:
+            value = float(raw)
+            if value >= 0:
+                return value
+        except ValueError:
+            pass
+        _warn_once("timeout", f"fp8ref: ignoring {ENV_LOCK_TIMEOUT}={raw!r} (not a number >= 0); "
+                              f"using {DEFAULT_LOCK_TIMEOUT:g} s")
+    return DEFAULT_LOCK_TIMEOUT
+
+
 @contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive fcntl lock on ``path`` (a no-op where fcntl does not exist)."""
+def _locked(path: Path, timeout: float):
+    """An exclusive fcntl lock on ``path``, waited for at most ``timeout`` seconds (``_LockTimeout``
+    after that); a no-op where fcntl does not exist."""
     try:
         import fcntl
     except ImportError:  # Windows: writes stay atomic (os.replace), merges may lose an entry
         yield
         return
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"the lock file {path} is not a regular file")
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise _LockTimeout(f"its lock {path} stayed held for {timeout:g} s "
+                                       f"({ENV_LOCK_TIMEOUT}); a writer is stopped or hung") from None
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
         try:
             yield
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+_WARNED_ONCE: set[str] = set()
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _WARNED_ONCE:
+        _WARNED_ONCE.add(what)
+        warnings.warn(message, stacklevel=5)
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove the temporary files of earlier writes to ``path`` (``atomic_write``'s
+    ``.<name>.*.tmp``). Called with the lock held: every writer holds it while its temporary file
+    exists, so any such file is a killed writer's."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def write_disk(key: str, decision: Decision) -> None:
-    """Merge one entry into the cache file under a lock; write a temp file, then os.replace."""
+    """Merge one entry into the cache file under a lock; write a temp file, then os.replace.
+    Never raises: a cache that cannot be written (read-only home, lock held past the timeout)
+    costs a warning, and the decision stays in memory."""
     path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path.with_name(path.name + ".lock")):
+        with _locked(path.with_name(path.name + ".lock"), lock_timeout()):
+            _remove_stale_temps(path)
             data = read_disk(path, warn=False) or {"schema": CACHE_SCHEMA, "fp8ref": fp8ref_version(),
                                                      "entries": {}}
             data["entries"][key] = decision.to_json()
@@ -137,6 +237,9 @@ def write_disk(key: str, decision: Decision) -> None:
                     json.dump(data, f, indent=1, sort_keys=True)
 
             atomic_write(path, _dump)
+    except _LockTimeout as exc:
+        _warn_once("lock", f"fp8ref: not writing the selection cache {path}: {exc}; decisions stay in memory "
+                           "(this warning is shown once)")
     except OSError as exc:  # the cache is an optimisation: a read-only home must not break inference
         warnings.warn(f"fp8ref: cannot write selection cache {path}: {exc}", stacklevel=4)
 

@@ -14,7 +14,7 @@ import torch
 
 from ..registry import Backend, Case
 from ..spec import bounds
-from ..spec.compare import compare
+from ..spec.compare import compare, compare_bits
 from ..spec.gemm import scaled_mm
 from ..spec.quant import Quantized, dequantize, quantize
 from ..spec.schemes import Granularity, QuantScheme
@@ -122,11 +122,8 @@ def _same_output(y_lin: Any, y: Any, rows: tuple[int, int]) -> tuple[float, str]
     """``Backend.linear`` must return what ``scaled_mm(quantize(x))`` returns, bit for bit."""
     if not isinstance(y_lin, torch.Tensor) or not isinstance(y, torch.Tensor):
         return 0.0, ""  # a non-tensor y is reported by the scaled_mm check
-    if y_lin.shape == y.shape and y_lin.dtype == y.dtype and torch.equal(
-            y_lin.detach().cpu().contiguous().view(torch.uint8), y.detach().cpu().contiguous().view(torch.uint8)):
-        return 0.0, ""
-    return math.inf, (f"linear() differs from scaled_mm(quantize()) on rows {rows}: shape {tuple(y_lin.shape)} "
-                      f"{y_lin.dtype} vs {tuple(y.shape)} {y.dtype}")
+    v = compare_bits(f"linear() vs scaled_mm(quantize()) on rows {rows}", y_lin, y)
+    return v.ratio, v.message()
 
 
 def _refuses_non_finite(backend: Backend, x: torch.Tensor, prepared: Any, N: int, bias: torch.Tensor | None,
@@ -151,8 +148,8 @@ def _cat(qs: list[Quantized]) -> Quantized:
 
 
 def _same(a: Quantized, b: Quantized) -> bool:
-    return a.scheme == b.scheme and torch.equal(a.scale, b.scale) and torch.equal(
-        a.data.view(torch.uint8), b.data.view(torch.uint8))
+    return a.scheme == b.scheme and compare_bits("scale", a.scale, b.scale).ok and compare_bits(
+        "codes", a.data, b.data).ok
 
 
 def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None = None) -> ProbeResult:

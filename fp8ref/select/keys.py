@@ -78,7 +78,7 @@ def _declaration(b: Backend) -> str:
     acc = b.accumulation
     # Availability is part of it: e.g. setting TRITON_INTERPRET makes a new candidate appear.
     return (f"{b.name}={type(b).__module__}.{type(b).__qualname__}/{acc.name}:{acc.unit_roundoff!r}:"
-            f"{acc.promote_every}/r{b.output_roundings}/{getattr(b, 'version', '')}/"
+            f"{acc.promote_every}/r{b.output_roundings}/{b.version or ''}/"
             f"{'ok' if available_reason(b) is None else 'no'}")
 
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
 from collections.abc import Callable
 
 import torch
 
 from .._progress import progress
-from ..registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend
+from ..registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend, is_trusted
 from ..spec.bounds import PrecisionClass
+from ..spec.checks import X_DTYPES
 from ..spec.gemm import OUT_DTYPES
 from ..spec.schemes import Recipe
 from . import cache, timing
@@ -28,10 +30,6 @@ from .decision import BackendUnavailableError, Decision, NoCompliantBackendError
 from .keys import available_reason, bucket_lo, m_bucket, selection_key
 
 __all__ = ["DEFAULT_PRECISION", "ENV_BACKEND", "ENV_CANDIDATES", "X_DTYPES", "check_case", "select", "resolve"]
-
-#: Activation dtypes a case may have: the reference quantizer's inputs
-#: (``fp8ref.spec.quant.check_float_input``; tests/test_reliability_messages.py keeps them equal).
-X_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 #: Default required precision class. The FP8 quantization error of a W8A8 linear is ~4e-2
 #: relative (e4m3: u = 2**-4 per operand); a second bf16 rounding adds at most 2**-8 ~ 3.9e-3 and
@@ -48,7 +46,8 @@ def _candidates(names: list[str] | tuple[str, ...] | None) -> list[Backend]:
         env = os.environ.get(ENV_CANDIDATES)
         names = [n.strip() for n in env.split(",") if n.strip()] if env else None
     if names is None:
-        return list(_REGISTRY.values())
+        # Entry-point backends only when allowed (registry.is_trusted): naming one is the other way.
+        return [b for b in list(_REGISTRY.values()) if is_trusted(b.name)]
     out = [get_backend(n) for n in names]
     if not any(b.name == "reference" for b in out):
         out.append(get_backend("reference"))
@@ -251,6 +250,8 @@ def select(case: Case, precision: str | PrecisionClass = DEFAULT_PRECISION, *,
         Required class: ``exact`` < ``strict`` < ``standard`` (default) < ``fast``.
     candidates : sequence of str, optional
         Restrict to these backends (``FP8REF_CANDIDATES`` otherwise); the reference is always added.
+        Without either, every registered backend except entry-point ones that
+        ``FP8REF_ALLOW_BACKENDS`` does not name (``fp8ref.registry.is_trusted``).
     refresh : bool
         Ignore both caches and probe again (the result is stored again).
 
@@ -275,6 +276,27 @@ def select(case: Case, precision: str | PrecisionClass = DEFAULT_PRECISION, *,
         d = _empty_output(case, precision, key)
         cache.remember(key, d)
         return d
+    if not refresh:
+        d = cache.recall(key)
+        if d is not None:
+            d.source = "memory"
+            return d
+    with _key_lock(key):  # threads asking for one key at once: one selection, the others reuse it
+        return _select_locked(case, precision, cands, key, refresh)
+
+
+#: One lock per selection key (the guard protects the dict): concurrent first calls of one case
+#: wait for a single probe-and-time run instead of racing several, whose timings would disagree.
+_KEY_LOCKS: dict[str, threading.Lock] = {}
+_KEY_LOCKS_GUARD = threading.Lock()
+
+
+def _key_lock(key: str) -> threading.Lock:
+    with _KEY_LOCKS_GUARD:
+        return _KEY_LOCKS.setdefault(key, threading.Lock())
+
+
+def _select_locked(case: Case, precision: str, cands: list[Backend], key: str, refresh: bool) -> Decision:
     if not refresh:
         d = cache.recall(key)
         if d is not None:

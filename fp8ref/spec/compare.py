@@ -12,7 +12,10 @@ The rules, stated once (docs/spec.md §5.5):
 * an element passes when ``|value - reference| <= bound``, both in float64; a NaN error fails;
 * its ratio is ``|error| / bound``, with ``0 / 0 = 0`` (an exact result where the bound allows no
   error at all is a pass, ratio 0), ``e / 0 = inf`` for ``e > 0`` and ``inf`` for a NaN error;
-* a structural mismatch has ratio ``inf`` and no worst element.
+* a structural mismatch has ratio ``inf`` and no worst element;
+* ``compare_bits`` is the same routine for identities that hold bit for bit (determinism, sign
+  symmetry, a fused hook against two calls): NaN payloads and the sign of zero count, and the
+  worst element is the first that differs.
 
 Imports flow down: torch only (a leaf of the spec).
 """
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Mismatch", "Worst", "Verdict", "error_ratio", "compare"]
+__all__ = ["Mismatch", "Worst", "Verdict", "error_ratio", "compare", "compare_bits"]
 
 
 class Mismatch(enum.Enum):
@@ -75,6 +78,8 @@ class Verdict:
         The worst element (None when nothing was compared elementwise).
     detail : str
         For a structural mismatch: what differs.
+    bitwise : bool
+        Made by ``compare_bits`` (the worst element is the first whose bits differ).
     """
 
     what: str
@@ -84,6 +89,7 @@ class Verdict:
     numel: int = 0
     worst: Worst | None = None
     detail: str = ""
+    bitwise: bool = False
 
     @property
     def ok(self) -> bool:
@@ -94,8 +100,13 @@ class Verdict:
         if self.mismatch in (Mismatch.TYPE, Mismatch.SHAPE, Mismatch.DTYPE):
             return f"{self.what}: {self.detail}"
         w = self.worst
+        if self.bitwise and self.ok:
+            return f"{self.what}: bit-identical ({self.numel} elements)"
         if w is None:
             return f"{self.what}: within the bound (nothing compared)"
+        if self.bitwise:
+            return (f"{self.what}: {self.n_bad} of {self.numel} elements differ in their bits; first at {w.index}: "
+                    f"got {w.value!r}, reference {w.reference!r}")
         head = (f"{self.n_bad} of {self.numel} elements outside the bound; worst"
                 if not self.ok else "within the bound; worst")
         rel = ">" if not self.ok else "<="
@@ -187,3 +198,36 @@ def compare(what: str, value, reference: torch.Tensor, bound: torch.Tensor | flo
     worst = Worst(idx, v64[idx].item(), r64[idx].item(), err[idx].item(), b64[idx].item(), ratio[idx].item())
     n_bad = int((~ok).sum())
     return Verdict(what, Mismatch.VALUE if n_bad else Mismatch.NONE, worst.ratio, n_bad, err.numel(), worst)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def compare_bits(what: str, value, reference: torch.Tensor) -> Verdict:
+    """Judge ``value`` against ``reference`` bit for bit: same type, shape, dtype and bits.
+
+    Returns
+    -------
+    Verdict
+        Ratio 0 when identical, inf otherwise; ``worst`` is the first element (row-major) whose
+        bits differ.
+
+    Examples
+    --------
+    >>> import torch
+    >>> compare_bits("y", torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])).message()
+    'y: 1 of 2 elements differ in their bits; first at (0,): got 0.0, reference -0.0'
+    """
+    bad = _structural(what, value, reference, reference.dtype)
+    if bad is not None:
+        return bad
+    diff = _bits(value) != _bits(reference)
+    n_bad = int(diff.sum())
+    if n_bad == 0:
+        return Verdict(what, Mismatch.NONE, 0.0, 0, diff.numel(), bitwise=True)
+    idx = tuple(int(i) for i in diff.nonzero()[0])
+    v, r = value.detach().cpu()[idx].item(), reference.detach().cpu()[idx].item()
+    worst = Worst(idx, v, r, abs(v - r), 0.0, math.inf)
+    return Verdict(what, Mismatch.VALUE, math.inf, n_bad, diff.numel(), worst, bitwise=True)

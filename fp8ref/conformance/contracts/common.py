@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ...registry import Backend, Case, backend_quantize, decline_reason
 from ...spec import quant
-from ...spec.compare import compare
+from ...spec.compare import _bits, compare, compare_bits  # noqa: F401 -- _bits: the calling contract reads it here
 from ...spec.quant import Quantized
 from ..profiles import Profile
 from ..scope import Scope
@@ -76,6 +76,10 @@ class Contract:
     requires : tuple of str
         Ops besides ``op`` the check calls (the fused linear against ``quantize`` and
         ``scaled_mm``): the contract is "not claimed" by a backend that does not declare them all.
+    search_examples : int or None
+        At most this many search examples, whatever the profile (the calling contracts make many
+        calls per example and vary how the backend is called more than the values); None: the
+        profile's count.
     """
 
     name: str
@@ -90,6 +94,7 @@ class Contract:
     secondary: bool = False
     requires: tuple[str, ...] = ()
     exhaustive: bool = False
+    search_examples: int | None = None
 
     @property
     def fails_report(self) -> bool:
@@ -201,22 +206,17 @@ def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: f
     return y
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32,
-                                                                       8: torch.int64}[t.element_size()])
-
-
 def _same_bits(u: torch.Tensor, v: torch.Tensor) -> bool:
-    return u.shape == v.shape and u.dtype == v.dtype and torch.equal(_bits(u), _bits(v))
+    return compare_bits("", u, v).ok
 
 
 def _first_diff(u: torch.Tensor, v: torch.Tensor) -> str:
-    d = (_bits(u) != _bits(v)).nonzero()
-    if not len(d):
+    """Where ``u`` and ``v`` first differ in their bits (``fp8ref.spec.compare.compare_bits``)."""
+    verdict = compare_bits("", u, v)
+    w = verdict.worst
+    if w is None:
         return "shapes or dtypes differ"
-    idx = tuple(int(i) for i in d[0])
-    return f"first difference at {idx}: {u[idx].item()!r} vs {v[idx].item()!r} ({len(d)} elements differ)"
+    return f"first difference at {w.index}: {w.value!r} vs {w.reference!r} ({verdict.n_bad} elements differ)"
 
 
 def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, *,

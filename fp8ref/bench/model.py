@@ -1,0 +1,228 @@
+"""End-to-end throughput: a real model's decode and prefill tokens/s after ``quantize_model``
+against the same model in bf16, in one run (``fp8ref bench --model``).
+
+Two models: ``smollm2`` (SmolLM2-135M-Instruct from the audit extra, ``fp8ref.audit.material``)
+and ``llama8b``, a ``LlamaForCausalLM`` built from a ``LlamaConfig`` with random weights (no
+download) whose decoder layers have the Llama-3.1-8B widths (hidden 4096, intermediate 14336, 32
+heads, 8 KV heads), ``layers`` of them and a small vocabulary (``LLAMA_VOCAB``: the lm_head is left
+in bf16 by ``quantize_model``, and the 8B's 128k-row head would time the head, not the layers).
+
+Each figure is paired: the bf16 model and its quantized copy alternate round by round
+(``timing.paired``), so both see the same machine. Decode is greedy, one token per step with the
+KV cache, from a prompt of ``prompt`` tokens (the cache is cropped back to the prompt before each
+timed call); prefill is one forward pass over the prompt without a cache. ``compiled`` adds the same
+pairs for ``torch.compile`` of both models.
+
+Where a decode token's time goes (``breakdown``): one decode step of each model with hooks records
+every linear layer's input; the layers are then timed alone on those inputs (the bf16 ``F.linear``
+of each ``nn.Linear``; each ``Fp8Linear`` as called, and its backend's ``linear`` on the prepared
+weight: the kernel without fp8ref's per-call path). A step's time minus its layers' is the time a
+token spends outside the GEMMs (attention, norms, embeddings, Python of the model).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn import Fp8Linear, quantize_model
+from ..registry import Case
+from ..select import resolve
+from .timing import paired, timeit
+
+__all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models", "format_model_report"]
+
+#: The models ``fp8ref bench --model`` takes.
+MODELS = ("smollm2", "llama8b")
+#: Vocabulary of the random Llama-shaped model (see the module docstring).
+LLAMA_VOCAB = 2048
+
+
+def build_model(name: str, layers: int = 1) -> nn.Module:
+    """The bf16 model ``name`` (``MODELS``) in eval mode; ``layers`` decoder layers for ``llama8b``."""
+    if name == "smollm2":
+        from ..audit.material import load_model
+
+        return load_model("smollm2", torch.bfloat16)[0].eval()
+    if name != "llama8b":
+        raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise RuntimeError(f"the llama8b model needs transformers ({exc}); pip install 'fp8ref[audit]'") from None
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      num_hidden_layers=layers, vocab_size=LLAMA_VOCAB, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: never a float32 copy of the weights
+    try:
+        model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def _decoder(model: nn.Module, prompt: torch.Tensor, tokens: int) -> Callable[[], torch.Tensor]:
+    """A call that decodes ``tokens`` greedy tokens after ``prompt`` (prefilled once, here)."""
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+    cache, first = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    n = prompt.shape[1]
+
+    def run() -> torch.Tensor:
+        extra = cache.get_seq_length() - n
+        if extra:
+            cache.crop(-extra)  # transformers 5: a negative count removes that many positions
+        tok = first
+        with torch.no_grad():
+            for _ in range(tokens):
+                tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        return tok
+
+    return run
+
+
+def _prefiller(model: nn.Module, prompt: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return model(prompt, use_cache=False).logits
+
+    return run
+
+
+def _linear_inputs(model: nn.Module, step: Callable[[], Any]) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Every linear layer of ``model`` with the input it received in one call of ``step``."""
+    seen: list[tuple[nn.Module, torch.Tensor]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].detach().clone())))
+             for m in model.modules() if isinstance(m, (nn.Linear, Fp8Linear))]
+    try:
+        step()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _kernel_call(mod: Fp8Linear, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The backend ``mod`` resolves to, called on its prepared weight: the kernel alone."""
+    x2 = x.reshape(-1, x.shape[-1])
+    case = Case(M=x2.shape[0], N=mod.out_features, K=mod.in_features, recipe=mod.recipe, x_dtype=x.dtype,
+                out_dtype=x.dtype if mod.out_dtype is None else mod.out_dtype, device=str(x.device),
+                has_bias=mod.bias is not None)
+    b, _ = resolve(case, mod.backend, mod.precision)
+    prepared = b.prepare_weight(mod.quantized_weight())
+    od = case.out_dtype
+    return lambda: b.linear(x2, prepared, mod.bias, od, mod.recipe.activation)
+
+
+def _breakdown(model: nn.Module, step: Callable[[], Any], tokens: int, repeat: int, budget_s: float) -> dict:
+    """Seconds per decode token: the step, its linear layers (and their kernels alone), the rest."""
+    with torch.no_grad():
+        calls = _linear_inputs(model, step)
+        per_token = len(calls) // tokens
+        calls = calls[:per_token]  # the first token's layers: one decode step
+        step_s = timeit(step, repeat=repeat, budget_s=budget_s).median_s / tokens
+        layers = [(lambda m=m, x=x: m(x)) for m, x in calls]
+        layers_s = timeit(lambda: [f() for f in layers], repeat=repeat, budget_s=budget_s).median_s
+        out = {"step_s": step_s, "linear_layers": len(calls), "linear_s": layers_s,
+               "outside_linear_s": step_s - layers_s}
+        fp8 = [(m, x) for m, x in calls if isinstance(m, Fp8Linear)]
+        if fp8:
+            kernels = [_kernel_call(m, x) for m, x in fp8]
+            out["fp8_layers"] = len(fp8)
+            out["fp8_kernels_s"] = timeit(lambda: [k() for k in kernels], repeat=repeat, budget_s=budget_s).median_s
+            out["fp8_layers_s"] = timeit(lambda: [m(x) for m, x in fp8], repeat=repeat, budget_s=budget_s).median_s
+    return out
+
+
+def _pair(base: Callable[[], Any], fn: Callable[[], Any], units: int, repeat: int, budget_s: float) -> dict:
+    p = paired(base, fn, repeat=repeat, budget_s=budget_s, min_sample_s=0.0)
+    return {"bf16_tokens_per_s": units / p.base.median_s, "fp8_tokens_per_s": units / p.timing.median_s,
+            "ratio": p.ratio, "rounds": p.rounds}
+
+
+def bench_model(name: str, *, layers: int = 1, prompt: int = 128, tokens: int = 16, compiled: bool = False,
+                repeat: int = 5, budget_s: float = 30.0, log: Callable[[str], None] = lambda s: None) -> dict:
+    """Decode and prefill tokens/s of ``name`` in bf16 and after ``quantize_model``, paired.
+
+    Returns a dict with ``model``, ``linear_layers`` (quantized / all), ``eager`` (and ``compiled``)
+    each holding ``decode`` and ``prefill`` (``bf16_tokens_per_s``, ``fp8_tokens_per_s``,
+    ``ratio`` = fp8 tokens/s over bf16, the median of per-round ratios), and ``breakdown``
+    (``bf16``, ``fp8``: seconds per decode token in the step, its linear layers, outside them).
+    """
+    t0 = time.perf_counter()
+    base = build_model(name, layers)
+    fp8 = copy.deepcopy(base)
+    summary = quantize_model(fp8)
+    log(f"  {name}: {summary}")
+    vocab = base.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, prompt), generator=g)
+    res: dict[str, Any] = {"model": name, "layers": layers if name == "llama8b" else None, "prompt": prompt,
+                           "tokens": tokens, "quantized_layers": summary.layers,
+                           "skipped_layers": summary.skipped}
+    variants = [("eager", base, fp8)]
+    if compiled:
+        variants.append(("compiled", torch.compile(base), torch.compile(fp8)))
+    for mode, b, f in variants:
+        t1 = time.perf_counter()
+        db, df = _decoder(b, ids, tokens), _decoder(f, ids, tokens)
+        res[mode] = {"decode": _pair(db, df, tokens, repeat, budget_s),
+                     "prefill": _pair(_prefiller(b, ids), _prefiller(f, ids), prompt, repeat, budget_s)}
+        res[mode]["seconds"] = time.perf_counter() - t1
+        log(f"  {name} {mode}: decode {res[mode]['decode']['ratio']:.2f}x bf16, prefill "
+            f"{res[mode]['prefill']['ratio']:.2f}x ({res[mode]['seconds']:.0f} s)")
+        if mode == "eager":
+            res["breakdown"] = {"bf16": _breakdown(b, db, tokens, repeat, budget_s / 2),
+                                "fp8": _breakdown(f, df, tokens, repeat, budget_s / 2)}
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def bench_models(names: Sequence[str], **kw) -> list[dict]:
+    """``bench_model`` for each of ``names``."""
+    return [bench_model(n, **kw) for n in names]
+
+
+def format_model_report(res: dict) -> str:
+    """The table ``fp8ref bench --model`` prints: tokens/s and the fp8/bf16 ratio per model, mode and
+    phase, then where a decode token's time goes.
+
+    Examples
+    --------
+    >>> from fp8ref.bench.model import format_model_report
+    >>> row = {"model": "m", "quantized_layers": 2, "eager": {p: {"bf16_tokens_per_s": 10.0, "fp8_tokens_per_s": 15.0,
+    ...        "ratio": 1.5, "rounds": 3} for p in ("decode", "prefill")}}
+    >>> print(format_model_report({"meta": {"cpu_model": "cpu"}, "models": [row]}).splitlines()[2])
+    m        eager    decode        10.0      15.0   1.50x       3
+    """
+    meta = res.get("meta", {})
+    lines = [f"end-to-end tokens/s after quantize_model, paired with bf16 [on {meta.get('cpu_model', '?')}, "
+             f"{meta.get('torch_threads', '?')} threads, load {meta.get('loadavg_start', ['?'])[0]}]",
+             f"{'model':8} {'mode':8} {'phase':8} {'bf16 t/s':>9} {'fp8 t/s':>9} {'fp8/bf16':>7} {'rounds':>7}"]
+    for r in res["models"]:
+        for mode in ("eager", "compiled"):
+            for phase in ("decode", "prefill"):
+                f = r.get(mode, {}).get(phase)
+                if f:
+                    lines.append(f"{r['model']:8} {mode:8} {phase:8} {f['bf16_tokens_per_s']:9.1f} "
+                                 f"{f['fp8_tokens_per_s']:9.1f} {f['ratio']:6.2f}x {f['rounds']:7d}")
+    for r in res["models"]:
+        bd = r.get("breakdown")
+        if not bd:
+            continue
+        lines.append(f"{r['model']}: a decode token's time (ms) -- step = linear layers + outside them")
+        for k in ("bf16", "fp8"):
+            b = bd[k]
+            extra = ""
+            if "fp8_kernels_s" in b:
+                extra = (f"; of the {b['fp8_layers']} Fp8Linear calls {1e3 * b['fp8_layers_s']:.2f} ms, their "
+                         f"backends' kernels alone {1e3 * b['fp8_kernels_s']:.2f} ms")
+            lines.append(f"  {k:5} step {1e3 * b['step_s']:.2f}, {b['linear_layers']} linear layers "
+                         f"{1e3 * b['linear_s']:.2f}, outside them {1e3 * b['outside_linear_s']:.2f}{extra}")
+    return "\n".join(lines)
