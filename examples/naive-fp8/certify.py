@@ -2,9 +2,9 @@
 
 import sys
 
-from naive_fp8 import NaiveFp8Backend
-
 from fp8ref.conformance import check
+
+from naive_fp8 import NaiveFp8Backend
 
 report = check(NaiveFp8Backend(), profile=sys.argv[1] if len(sys.argv) > 1 else "ci")
 print(report.to_text())
