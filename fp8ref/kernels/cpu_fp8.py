@@ -219,6 +219,8 @@ class CpuFp8Backend(Backend):
         reason = self._scheme_reason(w.scheme, "weight")
         if reason:
             raise ValueError(reason)
+        if w.data.shape[1] == 0:  # before packing, which has no K to pack (the spec's rule and message)
+            raise ValueError("w has 0 columns: the reduction dim K must be at least 1")
         if _nan_codes(w.data):
             raise ValueError(f"the weight holds NaN codes; {self.name} does not propagate NaN")
         codes = w.data.contiguous().view(torch.uint8)

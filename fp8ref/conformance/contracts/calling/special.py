@@ -141,8 +141,8 @@ def _abs(q: Quantized) -> Quantized:
 def _check_overflow(backend: Backend, op: _Op, args) -> float | None:
     """Both operands' scales multiplied by powers of two so that the exact result's largest
     magnitude is 8x the output dtype's maximum: where |y| - bound exceeds the
-    rounding threshold the output is +-Inf with y's sign; where |y| + bound stays below the maximum,
-    finite and within the bound."""
+    rounding threshold the output is +-Inf with y's sign; where |y| + bound stays below the maximum
+    (and the terms' absolute sum within fp32's range), finite and within the bound."""
     p = op.problem
     if op.name == "linear":
         return None  # linear's activation scale is the backend's own: the GEMM's operands are scaled_mm's
@@ -183,7 +183,9 @@ def _check_overflow(backend: Backend, op: _Op, args) -> float | None:
                                 f"by more than the bound, got {y[at].item()!r} at {at}: must be "
                                 f"{'+' if y64[at] > 0 else '-'}Inf (round to nearest; NaN only where the terms' "
                                 f"absolute sum passes fp32's range), never a finite stand-in")
-    inside = (y64.abs() + bound) < oi.max
+    # Below the maximum the bound holds only where no fp32 partial sum can overflow (the mass within
+    # fp32's range): there the output is finite and within the bound.
+    inside = ((y64.abs() + bound) < oi.max) & ~nan_ok
     if bool(inside.any()):
         return _check_within(f"scaled_mm with results near {p.out_dtype}'s maximum", torch.where(inside, y, 0.0),
                              torch.where(inside, y64, 0.0), torch.where(inside, bound, 0.0))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ....registry import Backend
-from ....spec.compare import bit_pattern
+from ....spec.compare import compare_bits
 from ....spec.quant import Quantized
 from ..common import (
     ContractViolation,
@@ -127,16 +127,15 @@ def _tensors_in(obj: Any, name: str, depth: int = 0) -> list[tuple[str, torch.Te
 
 
 def _snapshot(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    return [(n, t, bit_pattern(t).clone()) for n, t in named]
+    return [(n, t, t.detach().clone()) for n, t in named]
 
 
 def _check_unchanged(snap, when: str, rule: str = "an input must never be written") -> None:
+    """Each tensor of ``snap`` against its copy, bit for bit (``fp8ref.spec.compare.compare_bits``)."""
     for name, t, before in snap:
-        now = bit_pattern(t)
-        if now.shape != before.shape or not torch.equal(now, before):
-            diff = (now != before).nonzero() if now.shape == before.shape else None
-            where = f" (first at {tuple(int(i) for i in diff[0])}, {len(diff)} elements)" if diff is not None else ""
-            raise ContractViolation(f"{when} modified {name}{where}: {rule}")
+        verdict = compare_bits(name, t, before)
+        if not verdict.ok:
+            raise ContractViolation(f"{when} modified {verdict.message()}: {rule}")
 
 
 def _span(t: torch.Tensor) -> tuple[int, int] | None:
