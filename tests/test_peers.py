@@ -214,3 +214,5 @@ def test_merge_puts_new_rows_in_and_keeps_the_others():
     assert "Rows merged by `fp8ref certify --merge`" in merged and "elsewhere" in merged and "`fake-other`" in merged
     again = merge(merged, [other], _header(), ["fake-other", "fake-zero-nan"])
     assert again.count("### `fake-other`") == 1 and recorded_verdicts(again) == recorded_verdicts(merged)
+    assert again.count("Rows merged by") == 1 and "elsewhere" not in again  # the superseded note goes
+    assert "\n\nRows merged by" in again

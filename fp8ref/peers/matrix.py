@@ -215,9 +215,15 @@ def merge(text: str, certs: Sequence[Certificate], header: dict, order: Sequence
     data.update({c.peer: verdicts(c) for c in certs})
     note = (f"{_MERGED} (profile `{header['profile']}`, seed {header['seed']}) on {header['machine']}; "
             f"{header['versions']}: " + ", ".join(f"`{c.peer}`" for c in certs) + ".")
+    merged = {c.peer for c in certs}
+    # an earlier note whose rows are all recomputed now is superseded
+    pre = [line for line in pre if not (line.startswith(_MERGED)
+                                        and set(re.findall(r"`([^`]+)`", line.rpartition(": ")[2]) or ["?"]) <= merged)]
+    while pre and not pre[-1].strip():
+        pre.pop()
     table = fresh.splitlines()
     head = [table.index(line) for line in table if line.startswith("| implementation |")][0]
-    out = pre + [note, ""] + table[head:head + 2] + [rows[n] for n in names]
+    out = pre + ["", note, ""] + table[head:head + 2] + [rows[n] for n in names]
     out += ["", INSTALL, "", "## Per implementation", ""]
     for n in names:
         if n in secs:
