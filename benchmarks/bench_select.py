@@ -1,5 +1,6 @@
-"""Selector benchmarks: dispatch overhead of ``fp8ref.linear(backend="auto")`` after warm-up, and
-the time of a first selection for a new shape bucket.
+"""Selector benchmarks: dispatch overhead of ``fp8ref.linear(backend="auto")`` after warm-up, the
+per-call cost of ``weight_check="content"``, and the time of a first selection for a new shape
+bucket.
 
 Run: ``python benchmarks/bench_select.py [--quick]`` (prints a table), or under pytest-benchmark
 (``pytest benchmarks/bench_select.py --benchmark-enable``).
@@ -45,13 +46,18 @@ class NullBackend(fp8ref.Backend):
         return self.y if a is self.q else fp8ref.scaled_mm(a, b, bias, out_dtype)
 
 
+#: The clock of ``_best_per_call``: wall time, or with ``--cpu-time`` this thread's CPU time, which
+#: other processes' load does not inflate (the loops run on one thread: OMP_NUM_THREADS=1).
+_clock = time.perf_counter
+
+
 def _best_per_call(f, n: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         for _ in range(n):
             f()
-        best = min(best, (time.perf_counter() - t0) / n)
+        best = min(best, (_clock() - t0) / n)
     return best
 
 
@@ -86,6 +92,24 @@ def dispatch_overhead(M: int = 1, N: int = 256, K: int = 256, n: int = 2000, rep
         os.environ.pop(sel.ENV_CANDIDATES, None)
         fp8ref.unregister_backend(null.name)
         sel.clear_cache()
+
+
+def weight_check_cost(N: int, K: int, M: int = 1, backend: str = "cpu-fp8", n: int = 20, repeats: int = 5) -> dict:
+    """Per-call time of ``linear(x, w, backend=backend)`` under ``weight_check="version"`` and
+    ``"content"`` (the bytes of the weight compared with a kept copy on every call), for a bf16
+    float weight and for a ``Quantized`` one (what ``Fp8Linear`` passes: 1-byte codes)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=g, dtype=torch.bfloat16)
+    wf = torch.randn(N, K, generator=g, dtype=torch.bfloat16)
+    wq = fp8ref.quantize(wf, fp8ref.W8A8_FP8.weight)
+    out = {}
+    for kind, w in (("bf16", wf), ("fp8", wq)):
+        for mode in ("version", "content"):
+            linear(x, w, backend=backend, weight_check=mode)  # quantize/prepare (and keep the copy) once
+            out[f"{kind}_{mode}_us"] = _best_per_call(lambda w=w, mode=mode: linear(x, w, backend=backend,
+                                                                                      weight_check=mode),
+                                                      n, repeats) * 1e6
+    return out
 
 
 def first_selection(M: int, N: int, K: int) -> tuple[float, sel.Decision]:
@@ -129,13 +153,21 @@ def test_dispatch_overhead(benchmark):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes only")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time per-call loops in this thread's CPU time (a loaded shared machine; OMP_NUM_THREADS=1)")
     args = ap.parse_args(argv)
+    global _clock
+    if args.cpu_time:
+        _clock = time.thread_time
     os.environ.setdefault(sel.ENV_CACHE_DIR, tempfile.mkdtemp(prefix="fp8ref-bench-"))
     rc = rounding_cost()
     print("precision: " + ", ".join(f"{k} {v:.2e}" for k, v in rc.items()))
     res = dispatch_overhead()
     print(f"dispatch: chosen={res['chosen']}  direct {res['direct_us']:.2f} us  auto {res['auto_us']:.2f} us  "
           f"overhead {res['overhead_us']:.2f} us per call")
+    for N, K in [(256, 256), (1024, 1024)] if args.quick else [(256, 256), (1024, 4096), (4096, 4096)]:
+        c = weight_check_cost(N, K)
+        print(f"weight_check at M=1 N={N} K={K} (cpu-fp8): " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()))
     shapes = [(16, 512, 256)] if args.quick else [(1, 4096, 4096), (16, 4096, 4096), (128, 14336, 4096),
                                                   (1024, 4096, 14336)]
     for M, N, K in shapes:

@@ -18,7 +18,6 @@ from typing import NamedTuple
 import torch
 
 from . import select as _select
-from .registry import ENV_ALLOW as _ENV_ALLOW
 from .registry import Backend as _Backend
 from .registry import Case as _Case
 from .spec.checks import X_DTYPES, check_call, check_linear_args, check_values, check_weight, check_x
@@ -145,8 +144,9 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.T
 
 
 class DispatchKey(NamedTuple):
-    """Everything besides the weight that decides which backend runs a call (a tuple: it is built
-    and hashed on every call)."""
+    """Everything besides the weight that decides which backend runs a call. The hot path builds
+    the plain tuple in this field order (a NamedTuple's constructor costs more than the tuple, and
+    equal tuples hash alike); a table miss names it with ``DispatchKey._make``."""
 
     m_bucket: int  #: bit length of M - 1 (0 for M <= 1): the selector's power-of-two bucket
     x_dtype: torch.dtype
@@ -156,7 +156,8 @@ class DispatchKey(NamedTuple):
     precision: str
     device: torch.device
     candidates: tuple[str, ...] | None  #: ``candidates=`` of the call
-    env: tuple[str | None, str | None, str | None]  #: FP8REF_BACKEND, FP8REF_CANDIDATES, FP8REF_ALLOW_BACKENDS
+    forced: str | None  #: FP8REF_BACKEND
+    env_candidates: str | None  #: FP8REF_CANDIDATES
 
 
 @dataclass(frozen=True)
@@ -183,13 +184,14 @@ class _WeightEntry:
     """One weight under one recipe: its Quantized form, per-backend prepared forms, dispatches, and
     under ``weight_check="content"`` a private copy of the weight's bytes."""
 
-    __slots__ = ("ref", "version", "recipe", "qw", "N", "K", "prepared", "dispatch", "kept", "__weakref__")
+    __slots__ = ("ref", "version", "recipe", "qw", "N", "K", "prepared", "dispatch", "kept", "check", "__weakref__")
 
     def __init__(self, ref, version, recipe: Recipe, qw: Quantized, kept: tuple[torch.Tensor, ...] | None):
         self.ref, self.version, self.recipe, self.qw, self.kept = ref, version, recipe, qw, kept
+        self.check = "version" if kept is None else "content"
         self.N, self.K = qw.data.shape
         self.prepared: dict[str, object] = {}
-        self.dispatch: dict[DispatchKey, _Dispatch] = {}
+        self.dispatch: dict[tuple, _Dispatch] = {}
 
 
 _WEIGHTS: dict[tuple[int, object], _WeightEntry] = {}
@@ -251,9 +253,12 @@ def _same_content(w, kept: tuple[torch.Tensor, ...]) -> bool:
 
 
 def _np_equal(a, b) -> bool:
+    """Byte arrays compared as the widest integers their length allows (int64: an eighth of the work)."""
     import numpy
 
-    return a.shape == b.shape and bool(numpy.array_equal(a, b))
+    width = next((w for w in (numpy.int64, numpy.int32, numpy.int16) if a.size % numpy.dtype(w).itemsize == 0),
+                 numpy.uint8)
+    return a.shape == b.shape and bool(numpy.array_equal(a.view(width), b.view(width)))
 
 
 def _weight_entry(w, recipe: Recipe, key: tuple, content: bool) -> _WeightEntry:
@@ -281,15 +286,17 @@ def _weight_entry(w, recipe: Recipe, key: tuple, content: bool) -> _WeightEntry:
     return entry
 
 
-def _entry(w, recipe, weight_check: str) -> _WeightEntry:
-    """The cached entry of ``w``, rebuilt when ``w`` changed (as ``weight_check`` sees changes)."""
+def _entry(w, recipe, weight_check: str | None) -> _WeightEntry:
+    """The cached entry of ``w``, rebuilt when ``w`` changed (as the entry's check sees changes).
+    ``weight_check=None`` keeps the entry's mode, read from ``FP8REF_WEIGHT_CHECK`` when the entry
+    was made (an environment read per call would cost a microsecond)."""
     # A Recipe is keyed by id (the entry holds it, so the id stays valid); a preset name by value.
     wkey = (id(w), recipe if recipe.__class__ is str else id(recipe))
     e = _WEIGHTS.get(wkey)
-    content = weight_check == "content"
     if (e is None or e.ref() is not w or e.version != _version(w)
-            or (content and (e.kept is None or not _same_content(w, e.kept)))):
-        e = _weight_entry(w, get_recipe(recipe), wkey, content)
+            or (weight_check is not None and weight_check != e.check)
+            or (e.kept is not None and not _same_content(w, e.kept))):
+        e = _weight_entry(w, get_recipe(recipe), wkey, _weight_check(weight_check) == "content")
     return e
 
 
@@ -411,19 +418,18 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     if not isinstance(precision, str):
         raise TypeError(f"precision must be a str (exact, strict, standard, fast), got {type(precision).__name__}")
     cands = None if candidates is None else _check_candidates(candidates)
-    e = _entry(w, recipe, _weight_check(weight_check))
+    e = _entry(w, recipe, weight_check)
     od = check_call(x, e.N, e.K, e.qw.data.device, bias, out_dtype)
     shape = x.shape
     x2 = x if len(shape) == 2 else x.reshape(-1, e.K)
     M = x2.shape[0]
     env = _os.environ
-    key = DispatchKey((M - 1).bit_length() if M > 1 else 0, x.dtype, od, bias is not None, backend, precision,
-                      x.device, cands, (env.get(_select.ENV_BACKEND), env.get(_select.ENV_CANDIDATES),
-                                        env.get(_ENV_ALLOW)))
+    key = ((M - 1).bit_length() if M > 1 else 0, x.dtype, od, bias is not None, backend, precision, x.device, cands,
+           env.get(_select.ENV_BACKEND), env.get(_select.ENV_CANDIDATES))  # DispatchKey's fields
     d = e.dispatch.get(key)
     if d is None or d.generation != _select.generation():
         check_values(x, bias)  # before any selection, probe or kernel
-        d = _resolve_dispatch(e, _Request(x, x2, bias, od, key))
+        d = _resolve_dispatch(e, _Request(x, x2, bias, od, DispatchKey._make(key)))
     elif not d.backend.rejects_non_finite:
         check_values(x, bias)
     grads = _grad_inputs(x, w, bias)
@@ -435,7 +441,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
 
 
 def _run(e: _WeightEntry, d: _Dispatch, x: torch.Tensor, x2: torch.Tensor, bias, od: torch.dtype,
-         key: DispatchKey) -> torch.Tensor:
+         key: tuple) -> torch.Tensor:
     try:
         return d.backend.linear(x2, d.prepared, bias, od, d.scheme)
     except Exception as exc:
@@ -448,7 +454,7 @@ def _run(e: _WeightEntry, d: _Dispatch, x: torch.Tensor, x2: torch.Tensor, bias,
         check_values(x, bias)
         if not d.auto:
             raise
-        return _fallback(e, d, _Request(x, x2, bias, od, key), exc)
+        return _fallback(e, d, _Request(x, x2, bias, od, DispatchKey._make(key)), exc)
 
 
 def _fallback(e: _WeightEntry, d: _Dispatch, req: _Request, exc: Exception) -> torch.Tensor:

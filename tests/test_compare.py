@@ -127,3 +127,25 @@ def test_bit_comparison_sees_the_sign_of_zero_and_nan_payloads():
     assert compare_bits("y", a, a.to(torch.float64)).mismatch is Mismatch.DTYPE
     codes = torch.tensor([1.0, -2.0]).to(torch.float8_e4m3fn)
     assert compare_bits("codes", codes, codes.clone()).ok
+
+
+def test_the_driver_classifies_once_and_adapts_through_one_hook():
+    """``classify`` is the one FAIL/ERROR rule; an ``Adaptation`` maps every problem the driver runs and
+    names the reproduction (what ``fp8ref.peers.certify`` passes for a peer)."""
+    from fp8ref.conformance.driver import ERROR, FAIL, Adaptation, classify
+    from fp8ref.conformance.report import NOT_CLAIMED
+
+    assert classify(AssertionError("x"))[0] is FAIL and classify(ValueError("y")) == (ERROR, "ValueError: y")
+    seen = []
+
+    def map_problem(p):
+        seen.append(p)
+        return p
+
+    adapt = Adaptation(map_problem=map_problem, reproduce=lambda prof, seed, c: f"replay {prof} {seed} {c}")
+    rep = check(_ScaleTwoStepsUp(), "ci", contracts=["quantize.scale", "scaled_mm.bound"], max_examples=0,
+                ops=("quantize",), adapt=adapt)
+    scale, mm = rep.results
+    assert scale.status == FAIL and scale.reproduce.startswith("replay ci 0 quantize.scale")
+    assert mm.status == NOT_CLAIMED
+    assert len(seen) >= scale.examples_to_failure >= 1  # every problem that ran went through the mapping

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._progress import progress as _progress
 from ..spec.schemes import W8A8_FP8, Recipe, get_recipe
 from .flags import layer_flags, model_flags
 from .outputs import LmAccumulator, batches, call_model, detect_kind, embedding, encoder_metrics, logits, token_ids
@@ -64,7 +65,7 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
                 bound_rows: int = 8, bound_cols: int = 64, bound_batches: int = 1, precision: str = "standard",
                 kind: str = "auto",
                 thresholds: Thresholds | None = None, model_name: str = "", text_name: str = "",
-                progress: bool = False) -> AuditReport:
+                progress: bool = False, candidates: Sequence[str] | None = None) -> AuditReport:
     """Audit every ``nn.Linear`` of ``model`` run in FP8 against the float model, per backend.
 
     Parameters
@@ -89,6 +90,10 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
         bound on the weight: sampling keeps it a small part of the audit). 0 rows disables it.
     precision : str
         Precision class handed to ``fp8ref.linear`` for ``"auto"``.
+    candidates : sequence of str, optional
+        The backends ``"auto"`` may choose among (``fp8ref.linear``'s ``candidates``); by default
+        every shipped and user-registered backend, and entry-point ones only when
+        ``FP8REF_ALLOW_BACKENDS`` names them.
     kind : str
         ``"auto"``, ``"causal_lm"`` or ``"encoder"``.
     thresholds : Thresholds, optional
@@ -135,7 +140,7 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
     if not layers:
         raise ValueError("the model has no nn.Linear to audit (after skip)")
     todo = batches(inputs)
-    runners = [Runner(b, recipe, precision) for b in backends]
+    runners = [Runner(b, recipe, precision, None if candidates is None else tuple(candidates)) for b in backends]
     accs: list[dict[str, LayerAccumulator]] = [{} for _ in runners]
     st = _State()
 
@@ -231,13 +236,8 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
     n_tok = 0
     t_start = time.perf_counter()
     bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(todo) * (1 + len(runners)), desc="audit passes", unit="pass")
-        except ImportError:
-            bar = None
+    if progress:  # a bar on a terminal, a line every half minute in a log (fp8ref._progress)
+        bar = _progress(total=len(todo) * (1 + len(runners)), desc="audit passes", unit="pass")
     was_training = model.training
     model.eval()
     try:

@@ -20,8 +20,9 @@ __all__ = ["Runner"]
 class Runner:
     """Computes one linear the FP8 way for one requested backend name (or ``"auto"``)."""
 
-    def __init__(self, spec: str, recipe: Recipe, precision: str) -> None:
-        self.spec, self.recipe, self.precision = spec, recipe, precision
+    def __init__(self, spec: str, recipe: Recipe, precision: str,
+                 candidates: tuple[str, ...] | None = None) -> None:
+        self.spec, self.recipe, self.precision, self.candidates = spec, recipe, precision, candidates
         self.note = ""
         self.seconds = 0.0
         self._weights: dict[str, tuple[Quantized, Any]] = {}
@@ -55,9 +56,9 @@ class Runner:
         t0 = time.perf_counter()
         try:
             if self.backend is None:
-                b, _ = resolve(self._case(x2, w, bias, od), "auto", self.precision)
+                b, _ = resolve(self._case(x2, w, bias, od), "auto", self.precision, candidates=self.candidates)
                 y = linear(x2, w, bias, recipe=self.recipe, backend="auto", precision=self.precision,
-                                out_dtype=od)
+                           out_dtype=od, candidates=self.candidates)
                 if key not in self._weights:
                     # fp8ref.linear quantizes weights with the reference quantizer, so the
                     # statistics and the bound use that same Quantized.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .._progress import oversubscribed
 from ..spec.schemes import RECIPES
 from .bench import _names, unknown_backends
 
@@ -29,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--recipe", default="w8a8_fp8", choices=sorted(RECIPES), help="quantization recipe")
     p.add_argument("--backend", action="extend", type=_names, dest="backends", metavar="NAME",
                    help="backend to audit, repeatable or NAME1,NAME2 (default: reference and auto)")
+    p.add_argument("--candidates", type=_names, metavar="NAMES",
+                   help="comma-separated backends 'auto' may choose among (the reference is added); entry-point "
+                        "backends take part only when named here or in FP8REF_ALLOW_BACKENDS")
     p.add_argument("--skip", action="append", metavar="PATTERN",
                    help="linear layers left in float: name, dotted suffix or fnmatch pattern; repeatable "
                         "(default lm_head; --skip none audits every nn.Linear)")
@@ -90,6 +94,9 @@ def _audit(args: argparse.Namespace) -> int:
     if reason:  # before the model loads
         print(f"fp8ref audit: --backend: {reason}", file=sys.stderr)
         return 2
+    busy = oversubscribed()
+    if busy:
+        print(f"fp8ref audit: {busy}", file=sys.stderr)
     print(f"loading {args.model} ...", flush=True)
     model, tok, kind, name = load_model(args.model, _DTYPES[args.dtype])
     if kind == "causal_lm":
@@ -99,7 +106,8 @@ def _audit(args: argparse.Namespace) -> int:
     skip = tuple(s for s in (args.skip or ["lm_head"]) if s != "none")
     rep = audit_model(model, inputs, recipe=args.recipe, backends=backends, skip=skip, bound_rows=args.bound_rows,
                       bound_cols=args.bound_cols, bound_batches=args.bound_batches, kind=kind, thresholds=th,
-                      model_name=name, text_name=args.text, progress=not args.no_progress)
+                      model_name=name, text_name=args.text, progress=not args.no_progress,
+                      candidates=args.candidates)
     drifts = []
     for a in rep.audits[1:]:
         drifts.append(compare_audits(rep.audits[0], a, th))

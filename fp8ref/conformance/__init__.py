@@ -2,7 +2,8 @@
 
 ``check(backend)`` runs every contract of ``CONTRACTS`` (quantize, scaled_mm and linear, each
 against the reference and the derived bounds of ``fp8ref.spec.bounds``) for the ops the backend
-claims -- a deterministic corner sweep, then a Hypothesis search -- and returns a ``Report`` with
+claims -- a deterministic corner sweep, then a Hypothesis search, every comparison through
+``fp8ref.spec.compare`` -- and returns a ``Report`` with
 the counterexample of each failure, a coverage table and a verdict that is "pass" only when every
 claimed contract ran examples. The same machinery
 backs ``fp8ref conformance`` (CLI), ``pytest properties`` and the ``fp8ref_certify`` pytest
@@ -13,7 +14,8 @@ certificate claims), ``values`` (float values, FP8 codes and static scales by fa
 ``problems`` (problem descriptions built from them), ``strategies`` (Hypothesis strategies of
 problems), ``sweep`` (the corner sweep), ``probe`` (``accumulator_bits``), ``contracts/`` (the
 table, one module of checks per op), ``coverage`` and ``report`` (what a report holds and how it
-prints), ``driver`` (``check``, ``check_contract``), ``peers`` (the peers' tolerances, for
+prints), ``adaptation`` (how a peer's conventions and reproduce command reach the driver),
+``driver`` (``check``, ``check_contract``), ``peers`` (the peers' tolerances, for
 docs/mutants.md). Imports flow one way, down that list: each module imports only the ones before
 it, the spec and the registry (``fp8ref.kernels`` only lazily, for ``fp8ref.linear``); nothing
 here imports the CLI, the selector or ``fp8ref.peers``, which import this package.

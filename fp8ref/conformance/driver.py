@@ -28,6 +28,7 @@ from .adaptation import Adaptation, adapted
 from .contracts import CONTRACTS, Contract, Declined, get_contract, reference_threads
 from .coverage import Coverage
 from .probe import accumulator_bits
+from .problems import QuantizeProblem
 from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
 from .report import (
     ERROR,
@@ -276,8 +277,11 @@ class _Run:
         time budget) is spent or an example fails; a failure is shrunk and replayed last."""
         prof, n_sweep = self.prof, self.n
         t_search = time.perf_counter()
+        n = prof.max_examples if max_examples is None else max_examples
+        if self.contract.search_examples is not None:  # a contract's own cap (the calling contract's)
+            n = min(n, self.contract.search_examples)
 
-        @settings(hypothesis_settings(prof, max_examples), verbosity=Verbosity.quiet)
+        @settings(hypothesis_settings(prof, n), verbosity=Verbosity.quiet)
         @hseed(self.seed)
         @given(self.contract.strategy(prof, self.scope))
         def search(problem):
@@ -345,7 +349,7 @@ def _in_scope(problem, scope: Scope) -> bool:
     """Whether a pinned example lies within a narrowed claim (always, for an un-narrowed one)."""
     if not scope.narrowed:
         return True
-    if hasattr(problem, "scheme"):
+    if isinstance(problem, QuantizeProblem):
         return problem.scheme in scope.schemes
     return problem.recipe in scope.recipes
 

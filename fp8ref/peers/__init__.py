@@ -2,7 +2,9 @@
 
 One module per project; each defines ``PEERS``, a tuple of ``Peer`` instances (``fp8ref.peers._base``).
 A peer is a ``Backend`` that is *not* registered: ``fp8ref.linear`` never selects third-party code,
-``fp8ref certify`` (and ``fp8ref.conformance.check(peer)``) judges it. Importing this package
+``fp8ref certify`` judges it: the conformance driver (``fp8ref.conformance.check``) with the
+peer's ``Adaptation`` (``certify.adaptation``: its conventions mapped into every problem, its
+reproduce command). Importing this package
 imports none of the third-party packages; a peer imports its package on first use, and
 ``available()`` names exactly what is missing.
 

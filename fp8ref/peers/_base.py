@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..conformance.problems import GemmProblem, LinearProblem, QuantizeProblem
 from ..registry import Backend, Case
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme, Recipe
@@ -113,11 +114,13 @@ class Peer(Backend):
 
     def map_problem(self, problem: Any) -> Any:
         """A conformance problem with its schemes rewritten by ``conventions`` (certify draws these)."""
-        if hasattr(problem, "scheme"):
+        if isinstance(problem, QuantizeProblem):
             return replace(problem, scheme=self.conventions(problem.scheme, problem.x_dtype))
-        if hasattr(problem, "recipe"):
+        if isinstance(problem, (GemmProblem, LinearProblem)):
             r = problem.recipe
-            x_dtype = getattr(problem, "x_dtype", torch.bfloat16)
+            # a GEMM problem has no input dtype (its operands come quantized): conventions that depend
+            # on it are taken for bf16 input
+            x_dtype = problem.x_dtype if isinstance(problem, LinearProblem) else torch.bfloat16
             recipe = Recipe(r.name, self.conventions(r.weight, x_dtype), self.conventions(r.activation, x_dtype))
             return replace(problem, recipe=recipe)
         return problem

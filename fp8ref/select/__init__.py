@@ -15,7 +15,8 @@ above it; ``fp8ref.api`` (``fp8ref.linear``) imports it.
 - ``keys``: the cache key (M bucket, device name, versions, candidates' declarations);
 - ``decision``: ``Decision``, ``Row``, ``ProbeResult`` and the two errors;
 - ``inputs``: the probe's random and adversarial rows;
-- ``compliance``: the probe itself (``probe``);
+- ``compliance``: the probe itself (``probe``), judging every result through ``fp8ref.spec.compare``
+  and ``fp8ref.spec.bounds`` (the comparison and tolerance rules the conformance contracts use);
 - ``timing``: medians, the interleaved run-off, the selector's clock;
 - ``cache``: memory, disk and run-time failure marks;
 - ``selector``: candidates, the selection run, ``select`` and ``resolve``;
