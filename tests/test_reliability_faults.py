@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_helpers import L, isolated  # noqa: F401 (isolated: an autouse fixture)
+from reliability_helpers import L, available, isolated  # noqa: F401 (isolated: an autouse fixture)
 
 import fp8ref
 from fp8ref import checkpoint, registry
@@ -426,6 +426,21 @@ def test_exotic_tensors_are_refused_first_and_mark_nothing_failed(kind, arg, mon
         fp8ref.linear(x, w, bias)
     assert ran == []  # refused before any selection
     assert not cache._FAILED
+
+
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")
+@pytest.mark.parametrize("kind", ["sparse coo", "sparse csr", "mkldnn", "nested", "meta"])
+def test_exotic_tensors_are_refused_by_every_quantizer(kind):
+    """``fp8ref.quantize`` and every available backend's ``quantize`` (the reference's check runs
+    first in the shared fast quantizer) refuse them naming the argument, never reaching a torch
+    kernel that does not exist for the layout."""
+    t, exc, msg = _exotic()[kind]
+    scheme = fp8ref.W8A8_FP8.activation
+    with pytest.raises(exc, match=rf"^x .*{msg}|^x {msg}"):
+        fp8ref.quantize(t, scheme)
+    for name in available():
+        with pytest.raises(exc, match=msg):
+            registry.get_backend(name).quantize(t, scheme)
 
 
 def test_a_scale_on_another_device_than_its_codes_is_named():
