@@ -35,7 +35,7 @@ from ..registry import Case
 from ..select import resolve
 from .timing import paired, timeit
 
-__all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models"]
+__all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models", "format_model_report"]
 
 #: The models ``fp8ref bench --model`` takes.
 MODELS = ("smollm2", "llama8b")
@@ -187,3 +187,42 @@ def bench_model(name: str, *, layers: int = 1, prompt: int = 128, tokens: int = 
 def bench_models(names: Sequence[str], **kw) -> list[dict]:
     """``bench_model`` for each of ``names``."""
     return [bench_model(n, **kw) for n in names]
+
+
+def format_model_report(res: dict) -> str:
+    """The table ``fp8ref bench --model`` prints: tokens/s and the fp8/bf16 ratio per model, mode and
+    phase, then where a decode token's time goes.
+
+    Examples
+    --------
+    >>> from fp8ref.bench.model import format_model_report
+    >>> row = {"model": "m", "quantized_layers": 2, "eager": {p: {"bf16_tokens_per_s": 10.0, "fp8_tokens_per_s": 15.0,
+    ...        "ratio": 1.5, "rounds": 3} for p in ("decode", "prefill")}}
+    >>> print(format_model_report({"meta": {"cpu_model": "cpu"}, "models": [row]}).splitlines()[2])
+    m        eager    decode        10.0      15.0   1.50x       3
+    """
+    meta = res.get("meta", {})
+    lines = [f"end-to-end tokens/s after quantize_model, paired with bf16 [on {meta.get('cpu_model', '?')}, "
+             f"{meta.get('torch_threads', '?')} threads, load {meta.get('loadavg_start', ['?'])[0]}]",
+             f"{'model':8} {'mode':8} {'phase':8} {'bf16 t/s':>9} {'fp8 t/s':>9} {'fp8/bf16':>7} {'rounds':>7}"]
+    for r in res["models"]:
+        for mode in ("eager", "compiled"):
+            for phase in ("decode", "prefill"):
+                f = r.get(mode, {}).get(phase)
+                if f:
+                    lines.append(f"{r['model']:8} {mode:8} {phase:8} {f['bf16_tokens_per_s']:9.1f} "
+                                 f"{f['fp8_tokens_per_s']:9.1f} {f['ratio']:6.2f}x {f['rounds']:7d}")
+    for r in res["models"]:
+        bd = r.get("breakdown")
+        if not bd:
+            continue
+        lines.append(f"{r['model']}: a decode token's time (ms) -- step = linear layers + outside them")
+        for k in ("bf16", "fp8"):
+            b = bd[k]
+            extra = ""
+            if "fp8_kernels_s" in b:
+                extra = (f"; of the {b['fp8_layers']} Fp8Linear calls {1e3 * b['fp8_layers_s']:.2f} ms, their "
+                         f"backends' kernels alone {1e3 * b['fp8_kernels_s']:.2f} ms")
+            lines.append(f"  {k:5} step {1e3 * b['step_s']:.2f}, {b['linear_layers']} linear layers "
+                         f"{1e3 * b['linear_s']:.2f}, outside them {1e3 * b['outside_linear_s']:.2f}{extra}")
+    return "\n".join(lines)

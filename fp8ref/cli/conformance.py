@@ -34,8 +34,9 @@ def add_parser(sub) -> None:
     who.add_argument("--backend", action="append", metavar="NAME", help="backend to certify (repeatable)")
     who.add_argument("--all", action="store_true", help="every registered backend (the default)")
     who.add_argument("--merge", nargs="+", metavar="JSON", help="merge JSON reports of earlier runs into one table")
-    p.add_argument("--profile", choices=("dev", "ci", "thorough"), default=None,
-                   help="search budget: ci (derandomized, finds the bugs), dev (quick), thorough (nightly); "
+    p.add_argument("--profile", choices=("dev", "ci", "thorough", "limits"), default=None,
+                   help="search budget: ci (derandomized, finds the bugs), dev (quick), thorough (nightly), limits "
+                        "(the size limits past 2**31 elements, with --only OP.size_limits); "
                         "default: $FP8REF_HYPOTHESIS_PROFILE, else ci")
     p.add_argument("--seed", type=int, default=None,
                    help="Hypothesis seed (default: the profile's: fixed at 0 for ci, random and printed otherwise)")

@@ -277,8 +277,11 @@ class _Run:
         time budget) is spent or an example fails; a failure is shrunk and replayed last."""
         prof, n_sweep = self.prof, self.n
         t_search = time.perf_counter()
+        n = prof.max_examples if max_examples is None else max_examples
+        if self.contract.search_examples is not None:  # a contract's own cap (the calling contract's)
+            n = min(n, self.contract.search_examples)
 
-        @settings(hypothesis_settings(prof, max_examples), verbosity=Verbosity.quiet)
+        @settings(hypothesis_settings(prof, n), verbosity=Verbosity.quiet)
         @hseed(self.seed)
         @given(self.contract.strategy(prof, self.scope))
         def search(problem):

@@ -110,10 +110,12 @@ def empty_result(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Te
 
 
 def bias_fp32(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """The bias as fp32 on ``device`` (one rounding for a float64 bias, covered by the fp32 bound)."""
+    """The bias as a contiguous fp32 tensor on ``device`` (one rounding for a float64 bias, covered by
+    the fp32 bound; contiguous because native kernels take a pointer, and a caller's bias may be a
+    strided view)."""
     if bias is None:
         return None
-    return bias.to(device=device, dtype=torch.float32)
+    return bias.to(device=device, dtype=torch.float32).contiguous()
 
 
 def pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -160,7 +160,8 @@ class TorchScaledMMBackend(Backend):
 
     def _weight_operand(self, b: Quantized, pad: bool) -> torch.Tensor:
         """``b`` as the column-major ``[K, N]`` operand (K and N zero-padded to 16 if ``pad``)."""
-        return (pad_weight(b.data, _ALIGN) if pad else b.data).t()
+        # contiguous: torch._scaled_mm on CPU (2.13) reads a strided operand as if it were dense
+        return (pad_weight(b.data, _ALIGN) if pad else b.data.contiguous()).t()
 
     def prepare_weight(self, w: Quantized) -> PreparedWeight:
         reason = self._scheme_reason(w.scheme, "weight", w.data.device)
@@ -196,7 +197,7 @@ class TorchScaledMMBackend(Backend):
         N = b.data.shape[0]
         if b_op is None:
             b_op = self._weight_operand(b, pad)
-        a_op = pad_last(a.data, _ALIGN) if pad else a.data
+        a_op = pad_last(a.data, _ALIGN) if pad else a.data.contiguous()
         sa, sb = a.scale.to(torch.float32), b.scale.to(torch.float32)
         if a.scheme.granularity is Granularity.ROW or b.scheme.granularity is Granularity.ROW:
             sa = sa.expand(M, 1).contiguous()

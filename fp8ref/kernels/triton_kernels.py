@@ -30,10 +30,12 @@ every 32: the ``fast`` class until a GPU run measures better.
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import nullcontext
 
 import torch
 
-from ..registry import Backend, Case, register_backend
+from ..registry import RAISE, Backend, Case, NonFinite, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
 from ..spec.gemm import OUT_DTYPES
@@ -114,6 +116,16 @@ def _quant_reason(scheme: QuantScheme) -> str | None:
     return None
 
 
+#: Triton's CPU interpreter keeps the launch's grid in module state: two threads launching at once
+#: read each other's grid (``y >= grid_dim[1]``) or lose the JIT context; launches there take turns.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _launching():
+    """The context a kernel launch runs in: the interpreter's lock under the interpreter, else nothing."""
+    return _INTERPRETER_LOCK if interpreting() else nullcontext()
+
+
 def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     """Quantize ``x`` [rows, cols] with the Triton kernel (schemes per ``_quant_reason``).
 
@@ -156,9 +168,10 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     q = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
     bad = torch.empty(rows, n_groups, dtype=torch.int32, device=x.device)
     block = _pow2_at_least(min(G, cols), 16, _MAX_CHUNK)
-    k._quant_kernel[(rows, n_groups)](x, q, s, bad, cols, G, n_groups, x.stride(0), q.stride(0),
-                              scheme.qmax, scheme.amax_floor, float(torch.finfo(torch.float32).tiny),
-                              STATIC=static, BLOCK=block)
+    with _launching():
+        k._quant_kernel[(rows, n_groups)](x, q, s, bad, cols, G, n_groups, x.stride(0), q.stride(0),
+                                  scheme.qmax, scheme.amax_floor, float(torch.finfo(torch.float32).tiny),
+                                  STATIC=static, BLOCK=block)
     if bool(bad.any()):
         check_float_input(x)
     return Quantized(q.view(scheme.format.torch_dtype), s, scheme, 0)
@@ -207,6 +220,10 @@ def triton_scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     empty = empty_result(a, b, out_dtype)
     if empty is not None:
         return empty
+    if interpreting():  # the interpreter decodes E4M3FN's NaN codes (0x7F, 0xFF) as numbers: refuse them
+        for q, what in ((a, "the activations"), (b, "the weight")):
+            if bool(((q.data.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise ValueError(f"{what} hold NaN codes; the triton GEMM under the interpreter does not propagate NaN")
     k = _kernels()
     M, K = a.data.shape
     N = b.data.shape[0]
@@ -220,10 +237,11 @@ def triton_scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     block_m = _pow2_at_least(M, 16, 64)
     block_n = _pow2_at_least(N, 16, 64)
     grid = (-(-M // block_m), -(-N // block_n))
-    k._mm_kernel[grid](ad, bd, sa, sb, b32 if b32 is not None else out, out, M, N, K,
-               ad.stride(0), bd.stride(0), out.stride(0), sa_sm, sa_sk, sb_sn, sb_sk, b_rows,
-               HAS_BIAS=b32 is not None, SEGMENTED=seg is not None,
-               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    with _launching():
+        k._mm_kernel[grid](ad, bd, sa, sb, b32 if b32 is not None else out, out, M, N, K,
+                   ad.stride(0), bd.stride(0), out.stride(0), sa_sm, sa_sk, sb_sn, sb_sk, b_rows,
+                   HAS_BIAS=b32 is not None, SEGMENTED=seg is not None,
+                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.to(out_dtype)
 
 
@@ -322,6 +340,12 @@ class TritonBackend(Backend):
         if scale is not None:
             raise ValueError(f"backend {self.name!r}: the triton quantize kernel computes dynamic scales only")
         return triton_quantize(x, scheme)
+
+    @property
+    def non_finite(self) -> NonFinite:
+        """The spec's answers, except NaN codes under the interpreter: it decodes E4M3FN's 0x7F and
+        0xFF as numbers, so ``scaled_mm`` scans the codes there and raises."""
+        return NonFinite(codes=RAISE) if interpreting() else NonFinite()
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -213,7 +213,9 @@ def _static_scale(scale, scheme: QuantScheme, rows: int, cols: int, device) -> t
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise ValueError("static scale must be finite and > 0 everywhere "
                          f"(min {float(s.min()) if s.numel() else 'n/a'})")
-    stored = s.to(scheme.scale_dtype)
+    # A copy even when the dtype matches: the Quantized must not alias the caller's scale, which a
+    # calibration loop may update in place after the codes were computed with it.
+    stored = s.to(scheme.scale_dtype, copy=True)
     if not torch.equal(stored.to(torch.float64), s.to(torch.float64)):
         raise ValueError(f"static scale is not exactly representable in scale_dtype {scheme.scale_dtype}")
     return stored

@@ -62,6 +62,10 @@ class Contract:
         An identity or info contract (determinism, symmetry, equivariance, losslessness on the grid,
         the fused linear against two calls, bit exactness, batch invariance): thinned out of the
         sweep for backends that pay per element.
+    search_examples : int or None
+        At most this many search examples, whatever the profile (the calling contracts make many
+        calls per example and vary how the backend is called more than the values); None: the
+        profile's count.
     """
 
     name: str
@@ -74,6 +78,7 @@ class Contract:
     examples: tuple = ()  #: pinned problems, run before the sweep
     sweep: Callable[[list], list] | None = None
     secondary: bool = False
+    search_examples: int | None = None
 
     @property
     def fails_report(self) -> bool:
