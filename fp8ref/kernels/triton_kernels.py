@@ -143,10 +143,11 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     reason = _quant_reason(scheme)
     if reason:
         raise ValueError(reason)
-    check_shape = isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16,
-                                                                                 torch.float16)
+    check_shape = (isinstance(x, torch.Tensor) and x.layout is torch.strided and not x.is_nested
+                   and x.device.type != "meta" and x.dim() == 2
+                   and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
     if not check_shape or x.numel() == 0:
-        check_float_input(x)  # raises for the wrong type/shape; handles the empty case below
+        check_float_input(x)  # raises for the wrong type/layout/shape; handles the empty case below
         return fast_quantize(x, scheme)
     k = _kernels()
     x = x if x.stride(1) == 1 else x.contiguous()
