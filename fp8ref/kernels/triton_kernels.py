@@ -41,7 +41,7 @@ from ..spec.formats import E4M3FN
 from ..spec.gemm import OUT_DTYPES
 from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
+from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, standard_scale, unwrap
 
 __all__ = ["TritonBackend", "triton_quantize", "triton_scaled_mm", "interpreting", "CUDA_ACCUMULATION",
            "rne_e4m3_reference"]
@@ -158,9 +158,7 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
         amax = x.abs().amax().to(torch.float32)
         if not bool(torch.isfinite(amax)):
             check_float_input(x)
-        s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        s = torch.clamp(s, min=torch.finfo(torch.float32).tiny).reshape(1, 1)
+        s = standard_scale(amax, scheme.qmax, scheme.amax_floor).reshape(1, 1)
         G, n_groups = cols, 1
     else:
         G = cols if g is Granularity.ROW else scheme.group_size
