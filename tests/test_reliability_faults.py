@@ -361,6 +361,17 @@ def test_every_weight_change_is_seen_under_content(change, backend, monkeypatch)
         assert torch.equal(fp8ref.linear(x, w, backend=backend), _fresh(x, w, backend))
 
 
+def test_an_inference_tensor_changed_in_place_is_seen_under_content():
+    """Inference tensors have no version counter at all: only the content check sees a change."""
+    with torch.inference_mode():
+        w = torch.randn(32, 64)
+    x = torch.randn(3, 64)
+    fp8ref.linear(x, w, backend="cpu-fp8", weight_check="content")
+    with torch.inference_mode():
+        w[5:9].mul_(-4)
+    assert torch.equal(fp8ref.linear(x, w, backend="cpu-fp8", weight_check="content"), _fresh(x, w, "cpu-fp8"))
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu-fp8"])
 def test_fp8linear_buffers_written_through_data_are_never_half_old(backend):
     """The issue's case: new codes and scales copied into an Fp8Linear's buffers through ``.data``.
