@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Mismatch", "Worst", "Verdict", "error_ratio", "compare", "compare_bits"]
+__all__ = ["Mismatch", "Worst", "Verdict", "error_ratio", "compare", "compare_bits", "bit_pattern"]
 
 
 class Mismatch(enum.Enum):
@@ -200,7 +200,9 @@ def compare(what: str, value, reference: torch.Tensor, bound: torch.Tensor | flo
     return Verdict(what, Mismatch.VALUE if n_bad else Mismatch.NONE, worst.ratio, n_bad, err.numel(), worst)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as a contiguous CPU integer tensor of the same element size (what
+    ``compare_bits`` compares; a snapshot of it detects any write to ``t``)."""
     t = t.detach().cpu().contiguous()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
@@ -223,7 +225,7 @@ def compare_bits(what: str, value, reference: torch.Tensor) -> Verdict:
     bad = _structural(what, value, reference, reference.dtype)
     if bad is not None:
         return bad
-    diff = _bits(value) != _bits(reference)
+    diff = bit_pattern(value) != bit_pattern(reference)
     n_bad = int(diff.sum())
     if n_bad == 0:
         return Verdict(what, Mismatch.NONE, 0.0, 0, diff.numel(), bitwise=True)

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from ....registry import Backend
+from ....spec.compare import bit_pattern
 from ....spec.quant import Quantized
 from ..common import (
     ContractViolation,
-    _bits,
 )
 
 #: The layouts every tensor argument is passed in (``as_view``).
@@ -127,12 +127,12 @@ def _tensors_in(obj: Any, name: str, depth: int = 0) -> list[tuple[str, torch.Te
 
 
 def _snapshot(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    return [(n, t, _bits(t).clone()) for n, t in named]
+    return [(n, t, bit_pattern(t).clone()) for n, t in named]
 
 
 def _check_unchanged(snap, when: str, rule: str = "an input must never be written") -> None:
     for name, t, before in snap:
-        now = _bits(t)
+        now = bit_pattern(t)
         if now.shape != before.shape or not torch.equal(now, before):
             diff = (now != before).nonzero() if now.shape == before.shape else None
             where = f" (first at {tuple(int(i) for i in diff[0])}, {len(diff)} elements)" if diff is not None else ""
