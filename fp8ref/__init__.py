@@ -12,6 +12,7 @@ tests/test_layout.py checks all three.
 - ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``, built by
   ``python -m fp8ref.kernels.build``).
 - ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).
+- ``fp8ref.weightcheck``: how a cached weight's change is noticed (``weight_check``).
 - ``fp8ref.api``, ``fp8ref.ops``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, the
   same as the custom operator ``torch.ops.fp8ref.linear`` (for ``torch.compile`` and
   ``torch.export``), ``Fp8Linear`` and ``quantize_model``, FP8 checkpoints; then this face, which

@@ -26,16 +26,16 @@ from .spec.fenv import ieee_subnormals as _ieee_subnormals
 from .spec.gemm import scaled_mm
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
+from .weightcheck import ENV_WEIGHT_CHECK, SAMPLE_ROWS, WEIGHT_CHECKS, MemorySample, tensor_version
+from .weightcheck import same_content as _same_content
+from .weightcheck import snapshot as _snapshot
+from .weightcheck import version as _version
+from .weightcheck import weight_check_mode as _weight_check
 
 __all__ = ["reference_linear", "quantize_weight", "flatten_activations", "linear", "explain", "clear_weight_cache",
-           "tensor_version", "check_linear_args", "X_DTYPES", "WEIGHT_CHECKS", "ENV_WEIGHT_CHECK", "DispatchKey"]
+           "tensor_version", "check_linear_args", "X_DTYPES", "WEIGHT_CHECKS", "ENV_WEIGHT_CHECK", "DispatchKey",
+           "MemorySample", "SAMPLE_ROWS"]
 
-#: How ``fp8ref.linear`` notices that a cached weight changed: ``"version"`` (default: identity,
-#: torch's version counters and storage pointers; O(1)) or ``"content"`` (also the weight's bytes
-#: against a kept copy, every call: sees writes torch does not count). docs/selection.md.
-WEIGHT_CHECKS = ("version", "content")
-#: Environment variable giving the default of ``weight_check``.
-ENV_WEIGHT_CHECK = "FP8REF_WEIGHT_CHECK"
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,7 +140,8 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.T
 #
 # Hot path (after the first call for a weight and a case): one dict lookup for the weight (keyed
 # by id, checked against a weakref, the version counters and storage pointers, and under
-# weight_check="content" the bytes), one for the dispatch (a DispatchKey), then the backend's call.
+# weight_check="sample" a sample of its memory, under "content" all of its bytes), one for the
+# dispatch (a DispatchKey), then the backend's call.
 
 
 class DispatchKey(NamedTuple):
@@ -182,13 +183,16 @@ class _Dispatch:
 
 class _WeightEntry:
     """One weight under one recipe: its Quantized form, per-backend prepared forms, dispatches, and
-    under ``weight_check="content"`` a private copy of the weight's bytes."""
+    under ``weight_check="sample"`` a ``MemorySample`` of the weight, under ``"content"`` a private
+    copy of its bytes. Built whole, then put in the cache (a thread sees the old entry or the new)."""
 
-    __slots__ = ("ref", "version", "recipe", "qw", "N", "K", "prepared", "dispatch", "kept", "check", "__weakref__")
+    __slots__ = ("ref", "version", "recipe", "qw", "N", "K", "prepared", "dispatch", "kept", "sample", "check",
+                 "__weakref__")
 
-    def __init__(self, ref, version, recipe: Recipe, qw: Quantized, kept: tuple[torch.Tensor, ...] | None):
-        self.ref, self.version, self.recipe, self.qw, self.kept = ref, version, recipe, qw, kept
-        self.check = "version" if kept is None else "content"
+    def __init__(self, ref, version, recipe: Recipe, qw: Quantized, check: str,
+                 kept: tuple[torch.Tensor, ...] | None, sample: MemorySample | None):
+        self.ref, self.version, self.recipe, self.qw, self.check = ref, version, recipe, qw, check
+        self.kept, self.sample = kept, sample
         self.N, self.K = qw.data.shape
         self.prepared: dict[str, object] = {}
         self.dispatch: dict[tuple, _Dispatch] = {}
@@ -204,68 +208,16 @@ def clear_weight_cache() -> None:
     _WEIGHTS.clear()
 
 
-def tensor_version(t: torch.Tensor) -> int:
-    """``t._version``, or -1 for an inference tensor, which has no version counter (an in-place
-    change to such a weight inside ``torch.inference_mode`` is not seen under
-    ``weight_check="version"``)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
-
-
-def _sources(w) -> tuple[torch.Tensor, ...]:
-    """The caller's tensors a cached weight is computed from."""
-    return (w.data, w.scale) if isinstance(w, Quantized) else (w,)
-
-
-def _version(w) -> tuple:
-    """What torch counts about ``w``'s tensors: version counters, storage pointers and strides
-    (``.data =``, ``set_`` and ``.to`` change the pointer; in-place ops through w or a view of it,
-    ``copy_``, ``load_state_dict`` and optimizer steps bump the counter)."""
-    if isinstance(w, Quantized):
-        d, s = w.data, w.scale
-        return (tensor_version(d), tensor_version(s), d.data_ptr(), s.data_ptr(), d.stride(), s.stride())
-    return (tensor_version(w), w.data_ptr(), w.stride())
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _snapshot(w) -> tuple[torch.Tensor, ...]:
-    return tuple(_bytes(t).clone() for t in _sources(w))
-
-
-def _same_content(w, kept: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``w``'s tensors hold exactly the bytes kept (a full comparison: no sampling)."""
-    for t, k in zip(_sources(w), kept, strict=True):
-        b = _bytes(t)
-        if b.device.type == "cpu":
-            # numpy's comparison of two byte arrays runs at memory speed on one thread; torch.equal
-            # starts the intra-op pool (docs/selection.md, "Weights changed in place").
-            if not _np_equal(b.numpy(), k.numpy()):
-                return False
-        elif not torch.equal(b, k):
-            return False
-    return True
-
-
-def _np_equal(a, b) -> bool:
-    """Byte arrays compared as the widest integers their length allows (int64: an eighth of the work)."""
-    import numpy
-
-    width = next((w for w in (numpy.int64, numpy.int32, numpy.int16) if a.size % numpy.dtype(w).itemsize == 0),
-                 numpy.uint8)
-    return a.shape == b.shape and bool(numpy.array_equal(a.view(width), b.view(width)))
-
-
-def _weight_entry(w, recipe: Recipe, key: tuple, content: bool) -> _WeightEntry:
+def _weight_entry(w, recipe: Recipe, key: tuple, check: str) -> _WeightEntry:
     """Check and quantize (a float weight) or check (a Quantized one), and cache the result against
-    w's identity: the weight's checks run once per weight and version (and content)."""
+    w's identity: the weight's checks run once per weight and version (and sample, or content)."""
     check_weight(w, recipe)
-    kept = _snapshot(w) if content else None  # before quantizing: what the cached form is made of
+    # Both taken before quantizing: a write after them gives a cached form newer than the sample
+    # (the next call rebuilds), never one older than it.
+    kept = _snapshot(w) if check == "content" else None  # what the cached form is made of
+    sample = None
+    if check == "sample":
+        sample = MemorySample(w.data, (w.scale,)) if isinstance(w, Quantized) else MemorySample(w)
     if isinstance(w, torch.Tensor):
         with torch.no_grad():
             qw = quantize(w.detach() if kept is None else kept[0].view(w.dtype).reshape(w.shape), recipe.weight)
@@ -281,7 +233,7 @@ def _weight_entry(w, recipe: Recipe, key: tuple, content: bool) -> _WeightEntry:
         if e is not None and e.ref is ref:
             del cache[key]
 
-    entry = _WeightEntry(_weakref.ref(w, _drop), _version(w), recipe, qw, kept)
+    entry = _WeightEntry(_weakref.ref(w, _drop), _version(w), recipe, qw, check, kept, sample)
     _WEIGHTS[key] = entry
     return entry
 
@@ -295,20 +247,10 @@ def _entry(w, recipe, weight_check: str | None) -> _WeightEntry:
     e = _WEIGHTS.get(wkey)
     if (e is None or e.ref() is not w or e.version != _version(w)
             or (weight_check is not None and weight_check != e.check)
+            or (e.sample is not None and not e.sample.same())
             or (e.kept is not None and not _same_content(w, e.kept))):
-        e = _weight_entry(w, get_recipe(recipe), wkey, _weight_check(weight_check) == "content")
+        e = _weight_entry(w, get_recipe(recipe), wkey, _weight_check(weight_check))
     return e
-
-
-def _weight_check(weight_check) -> str:
-    if weight_check is None:
-        weight_check = _os.environ.get(ENV_WEIGHT_CHECK) or "version"
-        origin = ENV_WEIGHT_CHECK
-    else:
-        origin = "weight_check"
-    if weight_check not in WEIGHT_CHECKS:
-        raise ValueError(f"{origin} must be one of {WEIGHT_CHECKS}, got {weight_check!r}")
-    return weight_check
 
 
 def _check_candidates(candidates) -> tuple[str, ...] | None:
@@ -368,14 +310,18 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
         The backends ``"auto"`` chooses among (the reference is always added). By default every
         registered backend except entry-point plug-ins that ``FP8REF_ALLOW_BACKENDS`` does not
         name: installing a package does not put its kernel into every call.
-    weight_check : {"version", "content"}, optional
-        How a changed weight is noticed (default ``FP8REF_WEIGHT_CHECK``, else ``"version"``).
+    weight_check : {"sample", "version", "content"}, optional
+        How a changed weight is noticed (default ``FP8REF_WEIGHT_CHECK``, else ``"sample"``).
         ``"version"``: by torch's version counters and storage pointers, O(1) per call; it sees
         ``copy_``, ``load_state_dict``, optimizer steps, in-place ops on ``w`` or its views,
         ``.data =``, but not writes torch does not count: in-place ops on ``w.data``, writes
-        through ``w.numpy()`` or DLPack, changes to inference tensors. ``"content"``: also
-        compares the weight's bytes with a kept copy on every call (a read of the weight; every
-        write is seen). docs/selection.md gives the costs.
+        through ``w.numpy()`` or DLPack, changes to inference tensors. ``"sample"``: also
+        compares a fixed sample of the weight's memory (one element in each of up to
+        ``SAMPLE_ROWS`` rows, and a ``Quantized`` weight's whole scales) with its values when the
+        cached form was built: it sees those uncounted writes when they change a sampled element
+        (every bulk change, every row of a weight up to ``SAMPLE_ROWS`` rows), not a write off the
+        sample. ``"content"``: compares all of the weight's bytes with a kept copy on every call
+        (a read of the weight; every write is seen). docs/selection.md gives the costs.
 
     Returns
     -------

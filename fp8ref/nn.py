@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import ENV_WEIGHT_CHECK, linear, tensor_version
+from .api import linear
 from .ops import linear_op, recipe_key
 from .registry import ENV_ALLOW, Backend, Case
 from .select import ENV_BACKEND, ENV_CANDIDATES, generation, resolve
@@ -25,6 +25,7 @@ from .spec.checks import check_codes, check_dense, check_finite, check_linear_ar
 from .spec.fenv import flushing
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
+from .weightcheck import ENV_WEIGHT_CHECK, MemorySample, tensor_version
 
 __all__ = ["Fp8Linear", "QuantizeSummary", "quantize_model"]
 
@@ -44,10 +45,10 @@ class Fp8Linear(nn.Module):
         Required precision class, default ``"standard"``.
     candidates : sequence of str, optional
         The backends ``"auto"`` may choose among (see ``fp8ref.linear``).
-    weight_check : {"version", "content"}, optional
+    weight_check : {"sample", "version", "content"}, optional
         How a change to the ``weight``/``weight_scale`` buffers is noticed (see ``fp8ref.linear``):
-        ``"content"`` also sees writes through ``.data`` and numpy views, at a read of the codes
-        per call.
+        ``"sample"`` (default) also sees writes through ``.data`` and numpy views that change a
+        sampled code or any scale, ``"content"`` every write, at a read of the codes per call.
     out_dtype : torch.dtype, optional
         Output dtype (default: the input's).
     dtype : torch.dtype
@@ -92,6 +93,7 @@ class Fp8Linear(nn.Module):
         self._bound: dict[tuple, _Bound] = {}
         self._prepared: dict[str, Any] = {}
         self._prepared_key: tuple | None = None
+        self._sample: MemorySample | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = W8A8_FP8, backend: str = "auto",
@@ -178,9 +180,11 @@ class Fp8Linear(nn.Module):
         once; later calls of that case check x's type, dtype, device and K, that nothing the
         choice depends on changed (the weight's and scale's storage, version and strides, the
         layer's settings, the bias object, the selector's generation, the environment variables
-        ``fp8ref.linear`` reads), scan x and the bias for NaN/Inf unless the backend does, and call
-        the backend's ``linear``. Grad mode with an input that requires grad, a thread that flushes
-        subnormals, ``weight_check="content"``, and a backend that raises go through
+        ``fp8ref.linear`` reads, and under ``weight_check="sample"`` a sample of the codes and all
+        the scales against their values when the weight was prepared), scan x and the bias for
+        NaN/Inf unless the backend does, and call the backend's ``linear``. Grad mode with an
+        input that requires grad, a thread that flushes subnormals, ``weight_check="content"``,
+        and a backend that raises go through
         ``fp8ref.linear`` itself (its errors, its byte comparison, its fallback under ``"auto"``).
         Under ``torch.compile`` / ``torch.export`` the layer is one ``torch.ops.fp8ref.linear``.
         """
@@ -197,7 +201,8 @@ class Fp8Linear(nn.Module):
             key = ((M - 1).bit_length() if M > 1 else 0, x.dtype, x.device)
             state = self._state()
             b = self._bound.get(key)
-            if b is None or b.state != state or b.bias is not bias:
+            if (b is None or b.state != state or b.bias is not bias
+                    or (b.sample is not None and not b.sample.same())):
                 b = self._bind(x, x2, key, state)
             if (b is not None
                     and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
@@ -230,19 +235,25 @@ class Fp8Linear(nn.Module):
         try:
             qw = self.quantized_weight()
             recipe, od = check_linear_args(x, qw, self.bias, recipe=self.recipe, out_dtype=self.out_dtype)
-            if not recipe.activation.dynamic or (self.weight_check or state[-1] or "version") != "version":
+            check = self.weight_check or state[-1] or "sample"
+            if not recipe.activation.dynamic or check not in ("sample", "version"):
                 return None  # fp8ref.linear raises, or compares the weight's bytes on every call
             case = Case(M=x2.shape[0], N=self.out_features, K=self.in_features, recipe=recipe, x_dtype=x.dtype,
                         out_dtype=od, device=str(x.device), has_bias=self.bias is not None)
             backend, _ = resolve(case, self.backend, self.precision, candidates=self.candidates)
-            if self._prepared_key != state[:6]:
-                self._prepared, self._prepared_key = {}, state[:6]
+            sample = self._sample
+            if (self._prepared_key != state[:6] or (check == "sample") != (sample is not None)
+                    or (sample is not None and not sample.same())):
+                # Taken before preparing: a write after it gives prepared forms newer than the
+                # sample (the next call prepares again), never older.
+                sample = MemorySample(self.weight, (self.weight_scale,)) if check == "sample" else None
+                self._prepared, self._prepared_key, self._sample = {}, state[:6], sample
             prepared = self._prepared.get(backend.name)
             if prepared is None:
                 prepared = self._prepared[backend.name] = backend.prepare_weight(qw)
         except Exception:  # fp8ref.linear, called next, raises it with its own wording
             return None
-        b = self._bound[key] = _Bound(state, backend, prepared, recipe.activation, od, self.bias)
+        b = self._bound[key] = _Bound(state, backend, prepared, recipe.activation, od, self.bias, sample)
         return b
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -256,7 +267,8 @@ class Fp8Linear(nn.Module):
 @dataclass(frozen=True)
 class _Bound:
     """One case of an ``Fp8Linear`` resolved: the backend, its prepared weight, and the state
-    (``Fp8Linear._state``) and bias object it was resolved for."""
+    (``Fp8Linear._state``), bias object and memory sample (under ``weight_check="sample"``) it
+    was resolved for."""
 
     state: tuple
     backend: Backend
@@ -264,6 +276,7 @@ class _Bound:
     scheme: Any
     out_dtype: torch.dtype
     bias: Any
+    sample: MemorySample | None
 
 
 @dataclass

@@ -78,6 +78,7 @@ LAYERS = [
     ("fp8ref.registry",),
     ("fp8ref.kernels",),
     ("fp8ref.select",),
+    ("fp8ref.weightcheck",),
     ("fp8ref.api",),
     ("fp8ref.ops",),
     ("fp8ref.nn",),

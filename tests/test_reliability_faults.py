@@ -6,8 +6,9 @@ One test (or a few) per class of the issue's catalogue, each with instances of i
 - several processes sharing the selection cache; a cache writer stopped (SIGSTOP) while it holds
   the lock, or killed (SIGKILL) while it writes; a FIFO, a device or an oversized file at the
   cache path;
-- weights changed through every way PyTorch users change them, under ``weight_check`` "version"
-  (what torch counts) and "content" (every write);
+- weights changed through every way PyTorch users change them, under the default ``weight_check``
+  "sample" (what torch counts, and uncounted writes that change a sampled element: every bulk
+  write, any row of these small weights), "version" (what torch counts) and "content" (every write);
 - exotic tensors (sparse, mkldnn, nested, meta, mixed devices) refused before any selection, and
   never marking a backend failed;
 - checkpoints rewritten while they are read, a directory as the path, a full disk on save, meta
@@ -35,6 +36,7 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from reliability_helpers import L, available, isolated  # noqa: F401 (isolated: an autouse fixture)
@@ -44,6 +46,7 @@ from fp8ref import checkpoint, registry
 from fp8ref import select as sel
 from fp8ref.select import cache
 from fp8ref.spec.checks import check_dense
+from fp8ref.weightcheck import _sample_views
 
 ROOT = Path(__file__).resolve().parents[1]
 #: How long a child may take before the test says it hung (it never should; the limit only keeps a
@@ -314,11 +317,22 @@ COUNTED = {
     "optimizer Adam foreach": lambda w: _opt_step(w, lambda p: torch.optim.Adam([p], lr=0.5, foreach=True)),
     ".data = new": lambda w: setattr(w, "data", w.data * 3),
 }
-#: Writes torch does not count: seen under weight_check="content" only.
+def _new_weights(w):
+    return torch.randn(w.shape, generator=torch.Generator().manual_seed(9))
+
+
+#: Writes torch does not count: seen under "sample" (the default; each changes sampled elements)
+#: and "content", not under "version".
 UNCOUNTED = {
     ".data.mul_": lambda w: w.data.mul_(2),
+    ".data.add_": lambda w: w.data.add_(0.25),
+    ".data.fill_": lambda w: w.data.fill_(0.5),
+    ".data.zero_": lambda w: w.data.zero_(),
+    ".data.copy_ (new weights)": lambda w: w.data.copy_(_new_weights(w)),
     ".data[row] =": lambda w: w.data.__setitem__(0, 7.0),
-    "numpy view": lambda w: w.detach().numpy().__setitem__((slice(None), 1), -3.0),
+    "numpy view, a column": lambda w: w.detach().numpy().__setitem__((slice(None), 1), -3.0),
+    "numpy view, a middle row": lambda w: w.detach().numpy().__setitem__(17, -3.0),
+    "np.copyto": lambda w: np.copyto(w.detach().numpy(), np.full(tuple(w.shape), 0.75, np.float32)),
 }
 
 
@@ -332,6 +346,55 @@ def test_counted_weight_changes_are_seen_by_default(change, backend):
     _change(w, COUNTED[change], change)
     with torch.no_grad():
         assert torch.equal(fp8ref.linear(x, w, backend=backend), _fresh(x, w, backend))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-fp8", "auto"])
+@pytest.mark.parametrize("change", sorted(UNCOUNTED))
+def test_uncounted_weight_changes_are_seen_by_default(change, backend):
+    """The issue's class under the default settings: writes torch does not count never give the
+    result of the old copy."""
+    w = _param()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        fp8ref.linear(x, w, backend=backend)
+        before = L.STATS["quantize_weight"]
+        fp8ref.linear(x, w, backend=backend)
+        assert L.STATS["quantize_weight"] == before  # unchanged: the cached copy is used
+    _change(w, UNCOUNTED[change], change)
+    with torch.no_grad():
+        assert torch.equal(fp8ref.linear(x, w, backend=backend), _fresh(x, w, backend))
+
+
+#: Writes into a Quantized weight's tensors that torch does not count.
+UNCOUNTED_Q = {
+    "codes .data.copy_": lambda q: q.data.data.copy_(q.data.flip(0)),
+    "codes numpy row": lambda q: q.data.view(torch.uint8).numpy().__setitem__(9, 0x38),
+    "scales .data.mul_": lambda q: q.scale.data.mul_(2),
+    "one scale through numpy": lambda q: q.scale.numpy().__setitem__((20, 0), 0.125),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-fp8", "auto"])
+@pytest.mark.parametrize("change", sorted(UNCOUNTED_Q))
+def test_uncounted_changes_to_a_quantized_weight_are_seen_by_default(change, backend):
+    q = fp8ref.quantize(_param().detach(), fp8ref.W8A8_FP8.weight)
+    x = torch.randn(3, 64)
+    fp8ref.linear(x, q, backend=backend)
+    UNCOUNTED_Q[change](q)
+    assert torch.equal(fp8ref.linear(x, q, backend=backend), _fresh(x, q, backend))
+
+
+def test_a_write_off_the_sample_needs_content():
+    """The residual of the default: one element that the sample does not read. "content" (or
+    ``clear_weight_cache()``) sees it; docs/selection.md says so."""
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
+    sampled = {int(i) for v in _sample_views(torch.arange(w.numel()).reshape(w.shape)) for i in v.reshape(-1)}
+    r, c = 5, 40  # row 5 is sampled at column 5 only
+    assert r * 64 + c not in sampled
+    x = torch.randn(3, 64)
+    fp8ref.linear(x, w, backend="cpu-fp8", weight_check="content")
+    w.numpy()[r, c] = 100.0
+    assert torch.equal(fp8ref.linear(x, w, backend="cpu-fp8", weight_check="content"), _fresh(x, w, "cpu-fp8"))
 
 
 def test_a_state_dict_load_into_a_model_is_seen():
@@ -372,16 +435,18 @@ def test_an_inference_tensor_changed_in_place_is_seen_under_content():
     assert torch.equal(fp8ref.linear(x, w, backend="cpu-fp8", weight_check="content"), _fresh(x, w, "cpu-fp8"))
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu-fp8"])
-def test_fp8linear_buffers_written_through_data_are_never_half_old(backend):
+@pytest.mark.parametrize("check", [None, "content"])
+@pytest.mark.parametrize("backend", ["reference", "cpu-fp8", "auto"])
+def test_fp8linear_buffers_written_through_data_are_never_half_old(backend, check):
     """The issue's case: new codes and scales copied into an Fp8Linear's buffers through ``.data``.
-    Under "content" the output is the new layer's, bit for bit (neither the old one nor a mix of
-    stale packed codes and new scales)."""
+    Under the default ("sample") and "content" the output is the new layer's, bit for bit (neither
+    the old one nor a mix of stale packed codes and new scales); then the scales alone, the codes
+    alone."""
     g = torch.Generator().manual_seed(3)
     old, new = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
     with torch.no_grad():
         new.weight.copy_(torch.randn(32, 64, generator=g) * 4)
-    lin = fp8ref.Fp8Linear.from_linear(old, backend=backend, weight_check="content")
+    lin = fp8ref.Fp8Linear.from_linear(old, backend=backend, weight_check=check)
     ref = fp8ref.Fp8Linear.from_linear(new, backend=backend)
     x = torch.randn(5, 64, generator=g)
     with torch.no_grad():
@@ -393,10 +458,27 @@ def test_fp8linear_buffers_written_through_data_are_never_half_old(backend):
         lin.weight_scale.data.mul_(2)  # the scales alone
         ref.weight_scale.mul_(2)
         assert torch.equal(lin(x), ref(x))
+        codes = ref.weight.flip(0).contiguous()  # the codes alone
+        lin.weight.data.copy_(codes)
+        ref.weight.copy_(codes)
+        assert torch.equal(lin(x), ref(x))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-fp8", "auto"])
+def test_fp8linear_load_state_dict_is_seen(backend):
+    g = torch.Generator().manual_seed(5)
+    lin = fp8ref.Fp8Linear.from_linear(torch.nn.Linear(64, 32), backend=backend)
+    ref = fp8ref.Fp8Linear.from_linear(torch.nn.Linear(64, 32), backend=backend)
+    x = torch.randn(5, 64, generator=g)
+    with torch.no_grad():
+        lin(x)
+        lin.load_state_dict(ref.state_dict())
+        assert torch.equal(lin(x), ref(x))
 
 
 def test_weight_check_names_a_bad_mode(monkeypatch):
-    with pytest.raises(ValueError, match=r"^weight_check must be one of \('version', 'content'\), got 'bytes'"):
+    with pytest.raises(ValueError,
+                       match=r"^weight_check must be one of \('sample', 'version', 'content'\), got 'bytes'"):
         fp8ref.linear(torch.randn(2, 8), torch.randn(4, 8), weight_check="bytes")
     monkeypatch.setenv(L.ENV_WEIGHT_CHECK, "always")
     with pytest.raises(ValueError, match=r"^FP8REF_WEIGHT_CHECK must be one of"):
