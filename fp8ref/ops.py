@@ -29,8 +29,8 @@ Examples
 ...     torch.equal(ep.module()(x), m(x))
 True
 >>> q = m[0]
->>> torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, "w8a8_fp8", "reference", "standard",
-...                         None).shape
+>>> torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, recipe="w8a8_fp8", backend="reference",
+...                         precision="standard", out_dtype=None).shape
 torch.Size([4, 64])
 """
 
@@ -89,8 +89,9 @@ def _quantized(weight: torch.Tensor, weight_scale: torch.Tensor, recipe: Recipe,
 
 
 @torch.library.custom_op("fp8ref::linear", mutates_args=())
-def linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-              recipe: str, backend: str, precision: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+def linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, *,
+              recipe: str, backend: str, precision: str, out_dtype: torch.dtype | None,
+              candidates: str | None = None, weight_check: str | None = None) -> torch.Tensor:
     """``fp8ref.linear(x, Quantized(weight, weight_scale, recipe.weight), bias, ...)`` as one operator.
 
     Parameters
@@ -105,15 +106,21 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     backend, precision : str
         As ``fp8ref.linear`` takes them (``"auto"`` selects when the op runs).
     out_dtype : torch.dtype or None
+    candidates : str, optional
+        Backend names separated by commas (an op takes no list of str).
+    weight_check : str, optional
+        As ``fp8ref.linear`` takes it.
     """
     r = _recipe(recipe)
     y = _linear(x, _quantized(weight, weight_scale, r, recipe), bias, recipe=r, backend=backend, precision=precision,
-                out_dtype=out_dtype)
+                out_dtype=out_dtype, candidates=None if candidates is None else candidates.split(","),
+                weight_check=weight_check)
     # A custom op's output may not alias an input: copy in the (empty-input) cases where a
     # backend's result could be a view of x.
     return y.clone() if y._is_view() else y
 
 
 @linear_op.register_fake
-def _linear_fake(x, weight, weight_scale, bias, recipe, backend, precision, out_dtype):
+def _linear_fake(x, weight, weight_scale, bias, *, recipe, backend, precision, out_dtype, candidates=None,
+                 weight_check=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype if out_dtype is None else out_dtype)

@@ -105,8 +105,8 @@ def test_fake_gives_shape_and_dtype():
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         x = mode.from_tensor(torch.randn(2, 3, 16, dtype=torch.bfloat16))
-        y = torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, "w8a8_fp8", "auto", "standard",
-                                    torch.float16)
+        y = torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, recipe="w8a8_fp8", backend="auto",
+                                precision="standard", out_dtype=torch.float16)
     assert (tuple(y.shape), y.dtype) == ((2, 3, 8), torch.float16)
 
 
@@ -114,12 +114,15 @@ def test_fake_gives_shape_and_dtype():
 def test_op_equals_linear_and_checks_arguments():
     q = fp8ref.Fp8Linear.from_linear(nn.Linear(16, 8))
     x = torch.randn(5, 16)
-    y = torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, "w8a8_fp8", "reference", "standard", None)
+    y = torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, recipe="w8a8_fp8", backend="reference",
+                                precision="standard", out_dtype=None)
     assert torch.equal(y, fp8ref.linear(x, q.quantized_weight(), q.bias, backend="reference"))
     with pytest.raises(ValueError, match="x has 15 features"):
-        torch.ops.fp8ref.linear(x[:, :15], q.weight, q.weight_scale, q.bias, "w8a8_fp8", "auto", "standard", None)
+        torch.ops.fp8ref.linear(x[:, :15], q.weight, q.weight_scale, q.bias, recipe="w8a8_fp8", backend="auto",
+                                precision="standard", out_dtype=None)
     with pytest.raises(ValueError, match="unknown recipe 'nope'"):
-        torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, "nope", "auto", "standard", None)
+        torch.ops.fp8ref.linear(x, q.weight, q.weight_scale, q.bias, recipe="nope", backend="auto",
+                                precision="standard", out_dtype=None)
 
 
 def test_recipe_key_of_a_custom_recipe():

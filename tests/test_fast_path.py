@@ -12,6 +12,19 @@ from fp8ref.registry import backend_quantize, get_backend
 BACKENDS = ["cpu-fp8", "cpu-fp8-amx"]
 
 
+@pytest.fixture(autouse=True)
+def iso(tmp_path, monkeypatch):
+    from fp8ref import api
+    from fp8ref import select as sel
+
+    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
+    sel.clear_cache()
+    yield
+    sel.clear_cache()
+    api.clear_weight_cache()
+
+
 def _backend(name):
     b = get_backend(name)
     reason = b.available()
@@ -55,3 +68,78 @@ def test_fused_linear_raises_what_the_two_calls_raise(name):
     with pytest.raises(ValueError):
         b.linear(torch.randn(2, 15), prepared, None, torch.float32, scheme)
     assert b.linear(torch.randn(0, 16), prepared, None, torch.float32, scheme).shape == (0, 8)
+
+
+def _layer(N=24, K=40, bias=True, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return fp8ref.Fp8Linear.from_linear(torch.nn.Linear(K, N, bias=bias, dtype=dtype))
+
+
+@torch.no_grad()
+def test_layer_fast_path_is_fp8ref_linear(monkeypatch):
+    from fp8ref import api
+
+    q = _layer()
+    for shape in ((1, 40), (3, 40), (2, 5, 40), (1, 1, 40), (300, 40)):
+        for _ in range(2):  # the binding call and a bound one
+            x = torch.randn(*shape, dtype=torch.bfloat16)
+            y = q(x)
+            ref = fp8ref.linear(x, q.quantized_weight(), q.bias, backend=q.backend)
+            assert y.shape == ref.shape and torch.equal(y, ref)
+    api.clear_weight_cache()
+    q(torch.randn(2, 40, dtype=torch.bfloat16))
+    assert not api._WEIGHTS  # bound calls keep no second prepared copy in fp8ref.linear's cache
+
+
+@torch.no_grad()
+def test_layer_fast_path_sees_what_changes(monkeypatch):
+    from fp8ref import select as sel
+
+    q = _layer()
+    x = torch.randn(4, 40, dtype=torch.bfloat16)
+    q(x)
+    q.weight.copy_(fp8ref.quantize(torch.randn(24, 40), q.recipe.weight).data)  # in place: a new version
+    assert torch.equal(q(x), fp8ref.linear(x, q.quantized_weight(), q.bias, backend="reference"))
+    q.bias = torch.nn.Parameter(torch.ones(24, dtype=torch.bfloat16), requires_grad=False)  # a new object
+    assert torch.equal(q(x), fp8ref.linear(x, q.quantized_weight(), q.bias, backend="reference"))
+    q.backend = "reference"
+    q(x)
+    assert next(iter(q._bound.values())).backend.name == "reference"
+    q.backend = "auto"
+    monkeypatch.setenv(sel.ENV_BACKEND, "reference")
+    q(x)
+    assert all(b.backend.name == "reference" for b in q._bound.values())
+    q.out_dtype = torch.float32
+    assert q(x).dtype == torch.float32
+
+
+def test_layer_fast_path_errors_and_gradients():
+    q = _layer()
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        q(x)
+        bad = x.clone()
+        bad[2, 7] = float("inf")
+        with pytest.raises(ValueError, match=r"x contains 1 non-finite value\(s\) \(first: inf at index \(2, 7\)\)"):
+            q(bad)
+        with pytest.raises(ValueError, match="x has 39 features"):
+            q(x[:, :39])
+        with pytest.raises(TypeError, match="x must have a float dtype"):
+            q(x.to(torch.int32))
+    xg = x.float().requires_grad_()
+    y = q(xg)
+    with pytest.raises(RuntimeError, match="fp8ref computes no gradients"):
+        y.sum().backward()
+
+
+@torch.no_grad()
+def test_layer_fast_path_leaves_content_checks_to_linear_and_keeps_candidates():
+    q = _layer()
+    x = torch.randn(2, 40, dtype=torch.bfloat16)
+    q.weight_check = "content"  # fp8ref.linear compares the weight's bytes on every call: no binding
+    q(x)
+    assert not q._bound
+    q.weight_check = None
+    q.candidates = ("reference",)
+    assert torch.equal(q(x), fp8ref.linear(x, q.quantized_weight(), q.bias, backend="reference"))
+    assert [b.backend.name for b in q._bound.values()] == ["reference"]

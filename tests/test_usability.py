@@ -100,6 +100,13 @@ def test_demo_explains_every_column():
         assert f"\n  {column}" in "\n" + _DEMO_COLUMNS, column
 
 
+def test_demo_explains_every_recipe_in_one_line():
+    from fp8ref.cli.spec import RECIPE_LINES
+
+    assert set(RECIPE_LINES) == set(fp8ref.RECIPES)
+    assert all("\n" not in line and len(line) < 110 for line in RECIPE_LINES.values())
+
+
 def test_pytest_properties_runs_without_pytest_benchmark():
     """The repository's pytest settings name no option of an optional plug-in (-p no:benchmark
     stands for an environment without pytest-benchmark)."""
@@ -129,3 +136,47 @@ def test_select_is_callable_by_its_obvious_name(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="x_dtype=torch.float16 contradicts"):
         fp8ref.select(x, w, x_dtype=torch.float16)
     sel.clear_cache()
+
+
+def test_progress_writes_lines_to_a_log_and_warns_when_oversubscribed(monkeypatch, capsys):
+    from fp8ref import _progress
+
+    monkeypatch.delenv(_progress.ENV_VAR, raising=False)
+    monkeypatch.setattr(_progress, "LINE_EVERY_S", 0.0)  # captured stderr is not a terminal: lines
+    with _progress.progress(total=4, desc="audit passes", unit="pass") as bar:
+        for _ in range(2):
+            bar.update(1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("audit passes: 1/4 pass, ") and err[1].startswith("audit passes: 2/4 pass, ")
+    assert "s left" in err[1]
+    assert list(_progress.progress(range(3), desc="d")) == [0, 1, 2]
+    monkeypatch.setattr(_progress.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(_progress.os, "cpu_count", lambda: 2)
+    assert "load average 9.0 on 2 CPUs" in _progress.oversubscribed()
+    monkeypatch.setattr(_progress.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert _progress.oversubscribed() is None
+
+
+def test_bench_model_pairs_a_model_with_its_quantized_copy(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from fp8ref.bench import model as bm
+
+    def tiny(name, layers=1):
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=layers, vocab_size=96)
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+    monkeypatch.setattr(bm, "build_model", tiny)
+    r = bm.bench_model("llama8b", layers=2, prompt=8, tokens=2, repeat=1, budget_s=0.1)
+    assert r["quantized_layers"] == 14 and r["skipped_layers"] == ["lm_head"]
+    for phase in ("decode", "prefill"):
+        f = r["eager"][phase]
+        assert f["ratio"] > 0 and f["bf16_tokens_per_s"] > 0 and f["fp8_tokens_per_s"] > 0
+    bd = r["breakdown"]
+    assert bd["bf16"]["linear_layers"] == bd["fp8"]["linear_layers"] == 15 and bd["fp8"]["fp8_layers"] == 14
+    assert "a decode token's time" in bm.format_model_report({"meta": {}, "models": [r]})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--model", "gpt5"])

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._progress import progress as _progress
 from ..spec.schemes import W8A8_FP8, Recipe, get_recipe
 from .flags import layer_flags, model_flags
 from .outputs import LmAccumulator, batches, call_model, detect_kind, embedding, encoder_metrics, logits, token_ids
@@ -235,13 +236,8 @@ def audit_model(model: nn.Module, inputs: Any, *, recipe: Recipe | str = W8A8_FP
     n_tok = 0
     t_start = time.perf_counter()
     bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(todo) * (1 + len(runners)), desc="audit passes", unit="pass")
-        except ImportError:
-            bar = None
+    if progress:  # a bar on a terminal, a line every half minute in a log (fp8ref._progress)
+        bar = _progress(total=len(todo) * (1 + len(runners)), desc="audit passes", unit="pass")
     was_training = model.training
     model.eval()
     try:

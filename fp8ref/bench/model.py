@@ -14,9 +14,9 @@ timed call); prefill is one forward pass over the prompt without a cache. ``comp
 pairs for ``torch.compile`` of both models.
 
 Where a decode token's time goes (``breakdown``): one decode step of each model with hooks records
-every linear layer's input; the layers are then timed alone on those inputs (the bf16 ``F.linear``
-of each ``nn.Linear``; each ``Fp8Linear`` as called, and its backend's ``linear`` on the prepared
-weight: the kernel without fp8ref's per-call path). A step's time minus its layers' is the time a
+every linear layer's input; the layers are then timed alone on those inputs, in rounds paired with
+the step (the bf16 ``F.linear`` of each ``nn.Linear``; each ``Fp8Linear`` as called, paired with its
+backend's ``linear`` on the prepared weight: the kernel without fp8ref's per-call path). A step's time minus its layers' is the time a
 token spends outside the GEMMs (attention, norms, embeddings, Python of the model).
 """
 
@@ -33,9 +33,9 @@ from torch import nn
 from ..nn import Fp8Linear, quantize_model
 from ..registry import Case
 from ..select import resolve
-from .timing import paired, timeit
+from .timing import paired
 
-__all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models"]
+__all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models", "format_model_report"]
 
 #: The models ``fp8ref bench --model`` takes.
 MODELS = ("smollm2", "llama8b")
@@ -126,17 +126,19 @@ def _breakdown(model: nn.Module, step: Callable[[], Any], tokens: int, repeat: i
         calls = _linear_inputs(model, step)
         per_token = len(calls) // tokens
         calls = calls[:per_token]  # the first token's layers: one decode step
-        step_s = timeit(step, repeat=repeat, budget_s=budget_s).median_s / tokens
         layers = [(lambda m=m, x=x: m(x)) for m, x in calls]
-        layers_s = timeit(lambda: [f() for f in layers], repeat=repeat, budget_s=budget_s).median_s
+        # Paired rounds (as the ratios are): a step and its layers alone, back to back.
+        p = paired(step, lambda: [f() for f in layers], repeat=repeat, budget_s=budget_s, min_sample_s=0.0)
+        step_s, layers_s = p.base.median_s / tokens, p.timing.median_s
         out = {"step_s": step_s, "linear_layers": len(calls), "linear_s": layers_s,
                "outside_linear_s": step_s - layers_s}
         fp8 = [(m, x) for m, x in calls if isinstance(m, Fp8Linear)]
         if fp8:
             kernels = [_kernel_call(m, x) for m, x in fp8]
+            p = paired(lambda: [m(x) for m, x in fp8], lambda: [k() for k in kernels], repeat=repeat,
+                       budget_s=budget_s, min_sample_s=0.0)
             out["fp8_layers"] = len(fp8)
-            out["fp8_kernels_s"] = timeit(lambda: [k() for k in kernels], repeat=repeat, budget_s=budget_s).median_s
-            out["fp8_layers_s"] = timeit(lambda: [m(x) for m, x in fp8], repeat=repeat, budget_s=budget_s).median_s
+            out["fp8_layers_s"], out["fp8_kernels_s"] = p.base.median_s, p.timing.median_s
     return out
 
 
@@ -187,3 +189,44 @@ def bench_model(name: str, *, layers: int = 1, prompt: int = 128, tokens: int = 
 def bench_models(names: Sequence[str], **kw) -> list[dict]:
     """``bench_model`` for each of ``names``."""
     return [bench_model(n, **kw) for n in names]
+
+
+def format_model_report(res: dict) -> str:
+    """The table ``fp8ref bench --model`` prints: tokens/s and the fp8/bf16 ratio per model, mode and
+    phase, then where a decode token's time goes.
+
+    Examples
+    --------
+    >>> from fp8ref.bench.model import format_model_report
+    >>> row = {"model": "m", "quantized_layers": 2, "eager": {p: {"bf16_tokens_per_s": 10.0, "fp8_tokens_per_s": 15.0,
+    ...        "ratio": 1.5, "rounds": 3} for p in ("decode", "prefill")}}
+    >>> format_model_report({"meta": {"cpu_model": "cpu"}, "models": [row]}).splitlines()[2].split()[:3]
+    ['m', 'eager', 'decode']
+    """
+    meta = res.get("meta", {})
+    load = meta.get("loadavg_start")
+    lines = [f"end-to-end tokens/s after quantize_model, paired with bf16 [on {meta.get('cpu_model', '?')}, "
+             f"{meta.get('torch_threads', '?')} threads, load average {'?' if not load else f'{load[0]:.1f}'} on "
+             f"{meta.get('cpu_count', '?')} CPUs]",
+             f"{'model':8} {'mode':8} {'phase':8} {'bf16 t/s':>9} {'fp8 t/s':>9} {'fp8/bf16':>7} {'rounds':>7}"]
+    for r in res["models"]:
+        for mode in ("eager", "compiled"):
+            for phase in ("decode", "prefill"):
+                f = r.get(mode, {}).get(phase)
+                if f:
+                    lines.append(f"{r['model']:8} {mode:8} {phase:8} {f['bf16_tokens_per_s']:9.1f} "
+                                 f"{f['fp8_tokens_per_s']:9.1f} {f['ratio']:6.2f}x {f['rounds']:7d}")
+    for r in res["models"]:
+        bd = r.get("breakdown")
+        if not bd:
+            continue
+        lines.append(f"{r['model']}: a decode token's time (ms) -- step = linear layers + outside them")
+        for k in ("bf16", "fp8"):
+            b = bd[k]
+            extra = ""
+            if "fp8_kernels_s" in b:
+                extra = (f"; of the {b['fp8_layers']} Fp8Linear calls {1e3 * b['fp8_layers_s']:.2f} ms, their "
+                         f"backends' kernels alone {1e3 * b['fp8_kernels_s']:.2f} ms")
+            lines.append(f"  {k:5} step {1e3 * b['step_s']:.2f}, {b['linear_layers']} linear layers "
+                         f"{1e3 * b['linear_s']:.2f}, outside them {1e3 * b['outside_linear_s']:.2f}{extra}")
+    return "\n".join(lines)

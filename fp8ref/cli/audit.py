@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .._progress import oversubscribed
 from ..spec.schemes import RECIPES
 from .bench import _names, unknown_backends
 
@@ -93,6 +94,9 @@ def _audit(args: argparse.Namespace) -> int:
     if reason:  # before the model loads
         print(f"fp8ref audit: --backend: {reason}", file=sys.stderr)
         return 2
+    busy = oversubscribed()
+    if busy:
+        print(f"fp8ref audit: {busy}", file=sys.stderr)
     print(f"loading {args.model} ...", flush=True)
     model, tok, kind, name = load_model(args.model, _DTYPES[args.dtype])
     if kind == "causal_lm":

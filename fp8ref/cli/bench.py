@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 from .._io import unwritable_reason, write_text
+from .._progress import oversubscribed
 from ..bench import SECTIONS
+from ..bench.model import MODELS
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -92,7 +94,27 @@ def add_parser(sub) -> None:
                         "machine 1 thread avoids waiting at parallel barriers for descheduled threads")
     p.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="S1,S2,..",
                    help=f"what to run, among {','.join(SECTIONS)} (default: all)")
+    p.add_argument("--model", action="extend", type=_models, metavar="NAME",
+                   help=f"instead of the sections: end-to-end decode and prefill tokens/s of a model "
+                        f"({', '.join(MODELS)}) after quantize_model against the same model in bf16, paired "
+                        "(repeatable)")
+    p.add_argument("--layers", type=_positive_int, default=1, metavar="N",
+                   help="decoder layers of the llama8b model (Llama-3.1-8B widths, random weights); default 1")
+    p.add_argument("--prompt", type=_positive_int, default=128, metavar="T",
+                   help="--model: prompt tokens (the prefill's M); default 128")
+    p.add_argument("--tokens", type=_positive_int, default=16, metavar="T",
+                   help="--model: greedy tokens decoded per timed call; default 16")
+    p.add_argument("--compile", action="store_true",
+                   help="--model: also time both models under torch.compile (minutes of compilation on a small CPU)")
     p.set_defaults(func=_bench)
+
+
+def _models(text: str) -> list[str]:
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in vals if v not in MODELS]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"models must be among {','.join(MODELS)}; got {text!r}")
+    return vals
 
 
 def _workload_args(args: argparse.Namespace) -> list[str]:
@@ -117,6 +139,9 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += _workload_args(args)
     if list(args.sections) != list(SECTIONS):
         parts += ["--sections", ",".join(args.sections)]
+    if args.model:
+        parts += ["--model", ",".join(args.model), "--layers", str(args.layers), "--prompt", str(args.prompt),
+                  "--tokens", str(args.tokens)] + (["--compile"] if args.compile else [])
     if args.json:
         parts += ["--json", str(args.json)]
     return " ".join(parts)
@@ -135,9 +160,14 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    busy = oversubscribed()
+    if busy:
+        print(f"fp8ref bench: {busy}", file=sys.stderr)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model:
+        return _bench_models(args, threads)
     try:
         res = bench.run(args.device, quick=args.quick, backends_only=args.backend, shapes=args.shape,
                         m_values=args.m, sections=args.sections,
@@ -149,6 +179,37 @@ def _bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     res["meta"]["command"] = _command_line(args)
     print(bench.format_report(res))
+    if args.json:
+        write_text(args.json, json.dumps(res, indent=1))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _bench_models(args: argparse.Namespace, threads: int) -> int:
+    """``--model``: end-to-end tokens/s, paired with bf16 (``fp8ref.bench.model``)."""
+    import torch
+
+    from ..bench import machine_meta
+    from ..bench.model import bench_model, format_model_report
+
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        meta = machine_meta(args.device, False)
+        if args.device != "cpu":
+            raise ValueError("--model runs on the CPU only (device 'cpu')")
+        rows = [bench_model(name, layers=args.layers, prompt=args.prompt, tokens=args.tokens, compiled=args.compile,
+                            log=log) for name in args.model]
+    except (RuntimeError, ValueError, ImportError) as exc:
+        print(f"fp8ref bench: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(threads)
+    import os
+
+    if hasattr(os, "getloadavg"):
+        meta["loadavg_end"] = list(os.getloadavg())
+    res = {"meta": {**meta, "command": _command_line(args)}, "models": rows}
+    print(format_model_report(res))
     if args.json:
         write_text(args.json, json.dumps(res, indent=1))
         print(f"\nwrote {args.json}")

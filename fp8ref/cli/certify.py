@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 from .._io import unwritable_reason, write_text
+from .._progress import oversubscribed
 
 DEFAULT_OUTPUT = os.path.join("docs", "certified.md")
 
@@ -137,6 +138,9 @@ def _run(args: argparse.Namespace) -> int:
         return _render_saved(args, known)
     if args.worker:
         return _worker(args, known)
+    busy = oversubscribed()
+    if busy and not args.list:
+        print(f"fp8ref certify: {busy}", file=sys.stderr)
     if args.list:
         for p in peers():
             reason = p.available() if args.in_process else None

@@ -68,6 +68,20 @@ _DEMO_COLUMNS = """\
   time       seconds the certification of that backend took"""
 
 
+#: One line per recipe preset: what it is and who uses it (the demo prints these under its table).
+RECIPE_LINES = {
+    "w8a8_fp8": "per-output-channel weight scales, dynamic per-token activations (SGLang --quantization w8a8_fp8)",
+    "fp8": "one scale for the weight, one dynamic scale for the whole activation (SGLang/vLLM --quantization fp8)",
+    "fp8_block": "128x128 weight blocks, dynamic 1x128 activation groups (DeepSeek-V3 style block FP8)",
+    "fp8_dynamic": "w8a8_fp8's numbers in the compressed-tensors FP8_DYNAMIC checkpoint layout (-FP8-dynamic models)",
+    "w8a8_fp8_rocm": "w8a8_fp8 in E4M3FNUZ clamped at 224 (the ROCm variant)",
+}
+
+
+def _recipe_line(r) -> str:
+    return f"  {r.name:16} {RECIPE_LINES.get(r.name, r.short_str())}"
+
+
 def _ratio_of(report, contract: str) -> str:
     try:
         r = report.result(contract).worst_ratio
@@ -107,6 +121,9 @@ def _demo(args: argparse.Namespace) -> int:
                   f"{bits:>9} {rep.seconds:6.1f}s")
     print("\nreference linear, bf16 [16 x 512] x [256 x 512]^T with outlier channels, vs the float64 linear")
     print("  (max err/bound: the largest |error| / derived bound over the outputs; <= 1 means within the bound):")
+    print("  recipes:")
+    for r in schemes.RECIPES.values():
+        print(_recipe_line(r))
     print(f"  {'recipe':16} {'rel. L2 error':>14} {'max err/bound':>14}")
     for row in demo_linear(args.seed):
         ok &= row["max_err_over_bound"] <= 1.0

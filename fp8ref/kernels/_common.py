@@ -247,9 +247,9 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
     """
     if scale is not None or not _fast_ok(scheme):
         return quant.quantize(x, scheme, scale)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16,
-                                                                            torch.float16):
-        return quant.quantize(x, scheme)  # the reference raises the right error or handles fp64
+    if (not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.is_nested or x.device.type == "meta"
+            or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return quant.quantize(x, scheme)  # the reference raises the right error (sparse, nested...) or handles fp64
     rows, cols = x.shape
     if x.numel() == 0 or cols == 0:
         return quant.quantize(x, scheme)

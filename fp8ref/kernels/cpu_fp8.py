@@ -43,16 +43,16 @@ import torch
 from .._machine import cpu_flags, cpu_model
 from ..registry import RAISE, Backend, Case, NonFinite, register_backend
 from ..spec.bounds import Accumulation
+from ..spec.checks import BIAS_NON_FINITE as _BIAS_NON_FINITE
+from ..spec.checks import check_finite
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
-from ._common import BIAS_NON_FINITE as _BIAS_NON_FINITE
 from ._common import (
     PreparedWeight,
     amax_all_finite,
     bias_fp32,
-    check_finite,
     check_mm_args,
     empty_result,
     fast_quantize,

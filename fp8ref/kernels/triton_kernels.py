@@ -41,7 +41,7 @@ from ..spec.formats import E4M3FN
 from ..spec.gemm import OUT_DTYPES
 from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
+from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, standard_scale, unwrap
 
 __all__ = ["TritonBackend", "triton_quantize", "triton_scaled_mm", "interpreting", "CUDA_ACCUMULATION",
            "rne_e4m3_reference"]
@@ -143,10 +143,11 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     reason = _quant_reason(scheme)
     if reason:
         raise ValueError(reason)
-    check_shape = isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16,
-                                                                                 torch.float16)
+    check_shape = (isinstance(x, torch.Tensor) and x.layout is torch.strided and not x.is_nested
+                   and x.device.type != "meta" and x.dim() == 2
+                   and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
     if not check_shape or x.numel() == 0:
-        check_float_input(x)  # raises for the wrong type/shape; handles the empty case below
+        check_float_input(x)  # raises for the wrong type/layout/shape; handles the empty case below
         return fast_quantize(x, scheme)
     k = _kernels()
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -157,9 +158,7 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
         amax = x.abs().amax().to(torch.float32)
         if not bool(torch.isfinite(amax)):
             check_float_input(x)
-        s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        s = torch.clamp(s, min=torch.finfo(torch.float32).tiny).reshape(1, 1)
+        s = standard_scale(amax, scheme.qmax, scheme.amax_floor).reshape(1, 1)
         G, n_groups = cols, 1
     else:
         G = cols if g is Granularity.ROW else scheme.group_size

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dense import check_dense
 from .fenv import flushing, ieee_subnormals
 from .formats import Fp8Format
 from .schemes import Granularity, QuantScheme
@@ -87,9 +88,10 @@ class Quantized:
 
 
 def check_float_input(x: torch.Tensor, what: str = "x") -> None:
-    """Raise TypeError/ValueError unless ``x`` is a 2-D float tensor with finite values."""
+    """Raise TypeError/ValueError unless ``x`` is a dense 2-D float tensor with finite values."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, what)
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{what} must have a float dtype {[str(d) for d in _FLOAT_INPUTS]}, got {x.dtype}")
     if x.dim() != 2:

@@ -223,10 +223,11 @@ CONTRACTS: tuple[Contract, ...] = (
              "accumulator_bits probe", None, check_accumulator_bits),
     Contract("quantize.codes", _Q, "bounded",
              "|codes * scale - x| within the quantization bound, no NaN code, |codes| <= qmax",
-             "quantization_error_bound", _qp(), check_quantize_codes, _Q_EX),
+             "conforming_quantization_error_bound", _qp(), check_quantize_codes, _Q_EX, exhaustive=True),
     Contract("quantize.scale", _Q, "bounded",
              "dynamic scale = max(amax, floor)/qmax within 1 ulp of scale_dtype (pow2 scales: exact); a static "
-             "scheme returns the caller's scale", "1 ulp of scale_dtype", _qp(), check_quantize_scale, _Q_EX),
+             "scheme returns the caller's scale", "scale_interval (1 ulp of scale_dtype)", _qp(), check_quantize_scale,
+             _Q_EX, exhaustive=True),
     Contract("scaled_mm.bound", _G, "bounded",
              "|y - y_ref| within the bound of the declared accumulation and output roundings",
              "gemm_error_bound", _gp(), check_scaled_mm_bound, _G_EX),
@@ -235,7 +236,8 @@ CONTRACTS: tuple[Contract, ...] = (
              "linear_error_bound", _lp, check_linear_bound, _L_EX),
     Contract("linear.matches_two_calls", "linear", "exact",
              "the fused Backend.linear hook returns scaled_mm(quantize(x)) bit for bit",
-             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX, secondary=True),
+             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX, secondary=True,
+             requires=("quantize", "scaled_mm")),
     Contract("quantize.exact_on_pow2_scale", _Q, "exact",
              "where the scale is a power of two (x/s exact), the codes are RNE(clamp(x/s)): ties to even, "
              "subnormals kept, saturation at qmax, never -0 in a format without it", "bit-exact values",
