@@ -1,6 +1,6 @@
-"""Selector benchmarks: dispatch overhead of ``fp8ref.linear(backend="auto")`` after warm-up, the
-per-call cost of ``weight_check="content"``, and the time of a first selection for a new shape
-bucket.
+"""Selector benchmarks: dispatch overhead of ``fp8ref.linear(backend="auto")`` after warm-up (by
+``weight_check`` mode, at a small and a Llama-width weight), the per-call cost of each mode, and
+the time of a first selection for a new shape bucket.
 
 Run: ``python benchmarks/bench_select.py [--quick]`` (prints a table), or under pytest-benchmark
 (``pytest benchmarks/bench_select.py --benchmark-enable``).
@@ -61,11 +61,15 @@ def _best_per_call(f, n: int, repeats: int) -> float:
     return best
 
 
-def dispatch_overhead(M: int = 1, N: int = 256, K: int = 256, n: int = 2000, repeats: int = 7) -> dict:
-    """Per-call time of ``linear(x, w)`` under "auto" minus calling the chosen backend directly."""
+def dispatch_overhead(M: int = 1, N: int = 256, K: int = 256, n: int = 2000, repeats: int = 7,
+                      weight_check: str | None = None, quantized: bool = False) -> dict:
+    """Per-call time of ``linear(x, w)`` under "auto" minus calling the chosen backend directly,
+    with ``weight_check`` (None: the default) on a bf16 weight, or on its ``Quantized`` form
+    (``quantized=True``: FP8 codes and per-channel scales, what ``Fp8Linear`` passes)."""
     null = NullBackend()
     x = torch.randn(M, K, dtype=torch.bfloat16)
     w = torch.randn(N, K, dtype=torch.bfloat16)
+    wl = fp8ref.quantize(w, fp8ref.W8A8_FP8.weight) if quantized else w
     null.x, null.q = x, fp8ref.quantize(x, fp8ref.W8A8_FP8.activation)
     null.y = fp8ref.scaled_mm(null.q, fp8ref.quantize(w, fp8ref.W8A8_FP8.weight))
     fp8ref.register_backend(null, replace=True)
@@ -80,9 +84,9 @@ def dispatch_overhead(M: int = 1, N: int = 256, K: int = 256, n: int = 2000, rep
             return null.scaled_mm(null.quantize(x, act), prep, None, torch.bfloat16)
 
         def auto():
-            return linear(x, w)
+            return linear(x, wl, weight_check=weight_check)
 
-        linear(x, w)  # selection + weight quantization happen here, once
+        auto()  # selection + weight quantization happen here, once
         chosen = sel.resolve(fp8ref.Case(M=M, N=N, K=K, recipe=fp8ref.W8A8_FP8))[0].name
         t_direct = _best_per_call(direct, n, repeats)
         t_auto = _best_per_call(auto, n, repeats)
@@ -95,16 +99,17 @@ def dispatch_overhead(M: int = 1, N: int = 256, K: int = 256, n: int = 2000, rep
 
 
 def weight_check_cost(N: int, K: int, M: int = 1, backend: str = "cpu-fp8", n: int = 20, repeats: int = 5) -> dict:
-    """Per-call time of ``linear(x, w, backend=backend)`` under ``weight_check="version"`` and
-    ``"content"`` (the bytes of the weight compared with a kept copy on every call), for a bf16
-    float weight and for a ``Quantized`` one (what ``Fp8Linear`` passes: 1-byte codes)."""
+    """Per-call time of ``linear(x, w, backend=backend)`` under ``weight_check="version"``,
+    ``"sample"`` (the default) and ``"content"`` (the bytes of the weight compared with a kept
+    copy on every call), for a bf16 float weight and for a ``Quantized`` one (what ``Fp8Linear``
+    passes: 1-byte codes)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, generator=g, dtype=torch.bfloat16)
     wf = torch.randn(N, K, generator=g, dtype=torch.bfloat16)
     wq = fp8ref.quantize(wf, fp8ref.W8A8_FP8.weight)
     out = {}
     for kind, w in (("bf16", wf), ("fp8", wq)):
-        for mode in ("version", "content"):
+        for mode in ("version", "sample", "content"):
             linear(x, w, backend=backend, weight_check=mode)  # quantize/prepare (and keep the copy) once
             out[f"{kind}_{mode}_us"] = _best_per_call(lambda w=w, mode=mode: linear(x, w, backend=backend,
                                                                                       weight_check=mode),
@@ -165,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     res = dispatch_overhead()
     print(f"dispatch: chosen={res['chosen']}  direct {res['direct_us']:.2f} us  auto {res['auto_us']:.2f} us  "
           f"overhead {res['overhead_us']:.2f} us per call")
+    for N, K in [(256, 256), (14336, 4096)]:
+        for quantized in (False, True):
+            row = {mode: dispatch_overhead(N=N, K=K, weight_check=mode, quantized=quantized,
+                                           n=500)["overhead_us"] for mode in ("version", "sample")}
+            print(f"dispatch overhead by weight_check, N={N} K={K} {'FP8 Quantized' if quantized else 'bf16'} w: "
+                  + ", ".join(f"{k} {v:.2f} us" for k, v in row.items()))
     for N, K in [(256, 256), (1024, 1024)] if args.quick else [(256, 256), (1024, 4096), (4096, 4096)]:
         c = weight_check_cost(N, K)
         print(f"weight_check at M=1 N={N} K={K} (cpu-fp8): " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()))
