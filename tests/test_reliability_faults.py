@@ -384,6 +384,55 @@ def test_uncounted_changes_to_a_quantized_weight_are_seen_by_default(change, bac
     assert torch.equal(fp8ref.linear(x, q, backend=backend), _fresh(x, q, backend))
 
 
+def test_an_inference_tensor_changed_in_bulk_is_seen_by_default():
+    with torch.inference_mode():
+        w = torch.randn(32, 64)
+    x = torch.randn(3, 64)
+    fp8ref.linear(x, w, backend="cpu-fp8")
+    with torch.inference_mode():
+        w.mul_(-2)
+    assert torch.equal(fp8ref.linear(x, w, backend="cpu-fp8"), _fresh(x, w, "cpu-fp8"))
+
+
+@pytest.mark.parametrize("layout", ["tall (N > SAMPLE_ROWS)", "transposed view"])
+def test_the_sample_follows_the_weights_layout(layout):
+    """Beyond ``SAMPLE_ROWS`` rows (rows spaced out, the last one included) and for a weight that
+    is a strided view: bulk writes and a write to a sampled row are seen by default."""
+    g = torch.Generator().manual_seed(6)
+    if layout.startswith("tall"):
+        w = torch.randn(L.SAMPLE_ROWS * 2 + 7, 16, generator=g)
+    else:
+        w = torch.randn(64, 48, generator=g).t()  # [48, 64], column-major
+    x = torch.randn(3, w.shape[1], generator=g)
+    writes = [lambda a: a.__imul__(3), lambda a: a[-1].__setitem__(slice(None), 2.5),
+              lambda a: a[0].__setitem__(slice(None), -1.5)]
+    for write in writes:
+        fp8ref.linear(x, w, backend="cpu-fp8")
+        write(w.numpy())
+        assert torch.equal(fp8ref.linear(x, w, backend="cpu-fp8"), _fresh(x, w, "cpu-fp8"))
+
+
+def test_threads_sharing_a_weight_see_a_data_write():
+    w = _param()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        fp8ref.linear(x, w, backend="cpu-fp8")
+        w.data.mul_(-3)
+        want = _fresh(x, w, "cpu-fp8")
+    out = [None] * 8
+
+    def run(i):
+        with torch.no_grad():
+            out[i] = fp8ref.linear(x, w, backend="cpu-fp8")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(y, want) for y in out)
+
+
 def test_a_write_off_the_sample_needs_content():
     """The residual of the default: one element that the sample does not read. "content" (or
     ``clear_weight_cache()``) sees it; docs/selection.md says so."""
