@@ -8,6 +8,6 @@ formats) -> ``schemes`` (how a tensor is quantized, recipes) -> ``dense`` (the l
 argument checks of the calling contract, the one home every entry point imports) -> ``bounds``
 (error bounds derived from unit roundoffs, precision classes, the scale tolerance); ``compare`` (a
 leaf on torch alone) is the one routine that judges a value against a reference and a bound,
-returning a typed ``Verdict``: every contract, the selector's probe and the audits call it. ``docs/spec.md`` is the same contract in
-prose and equations.
+returning a typed ``Verdict``: every contract, the selector's probe and the audits call it.
+``docs/spec.md`` is the same contract in prose and equations.
 """
