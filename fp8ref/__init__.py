@@ -31,7 +31,18 @@ tests/test_layout.py checks all three.
 from .api import explain, linear, reference_linear
 from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
 from .nn import Fp8Linear, QuantizeSummary, quantize_model
-from .registry import Backend, BackendInfo, Case, backends, get_backend, register_backend, unregister_backend
+from .registry import (
+    PROPAGATE,
+    RAISE,
+    Backend,
+    BackendInfo,
+    Case,
+    NonFinite,
+    backends,
+    get_backend,
+    register_backend,
+    unregister_backend,
+)
 from .select import BackendUnavailableError, Decision, NoCompliantBackendError, choose_backend
 from .select import clear_cache as clear_selection_cache
 from .select import select as select_backend
@@ -112,6 +123,9 @@ if not any(isinstance(f, _MovedModuleFinder) for f in _sys.meta_path):
 
 __all__ = [
     "Backend",
+    "NonFinite",
+    "RAISE",
+    "PROPAGATE",
     "BackendInfo",
     "Case",
     "backends",

@@ -253,9 +253,12 @@ def _same_content(w, kept: tuple[torch.Tensor, ...]) -> bool:
 
 
 def _np_equal(a, b) -> bool:
+    """Byte arrays compared as the widest integers their length allows (int64: an eighth of the work)."""
     import numpy
 
-    return a.shape == b.shape and bool(numpy.array_equal(a, b))
+    width = next((w for w in (numpy.int64, numpy.int32, numpy.int16) if a.size % numpy.dtype(w).itemsize == 0),
+                 numpy.uint8)
+    return a.shape == b.shape and bool(numpy.array_equal(a.view(width), b.view(width)))
 
 
 def _weight_entry(w, recipe: Recipe, key: tuple, content: bool) -> _WeightEntry:

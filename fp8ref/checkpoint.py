@@ -436,9 +436,12 @@ def _read_layer(f: _Reader, keys: set[str], name: str, mod: nn.Module, backend: 
     consumed.update((wk, sk))
     device = mod.weight.device
     qw = Quantized(w.to(device), s.to(device), recipe.weight)
+    was = mod if isinstance(mod, Fp8Linear) else None  # an Fp8Linear keeps its own settings
     return Fp8Linear.from_quantized(qw, None if bias is None else bias.to(device), recipe=recipe,
-                                    backend=mod.backend if isinstance(mod, Fp8Linear) else backend,
-                                    precision=mod.precision if isinstance(mod, Fp8Linear) else precision)
+                                    backend=backend if was is None else was.backend,
+                                    precision=precision if was is None else was.precision,
+                                    candidates=None if was is None else was.candidates,
+                                    weight_check=None if was is None else was.weight_check)
 
 
 def _check_rest(model: nn.Module, path: Path, rest: dict[str, torch.Tensor], replaced: set[str],

@@ -32,9 +32,9 @@ from .spec.bounds import Accumulation, PrecisionClass, precision_class
 from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
 
-__all__ = ["Backend", "Case", "BackendInfo", "register_backend", "unregister_backend", "get_backend",
-           "backends", "ENTRY_POINT_GROUP", "ENV_ALLOW", "OPS", "decline_reason", "backend_quantize", "is_trusted",
-           "origin"]
+__all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "RAISE", "PROPAGATE", "register_backend",
+           "unregister_backend", "get_backend", "backends", "ENTRY_POINT_GROUP", "ENV_ALLOW", "OPS", "decline_reason",
+           "backend_quantize", "is_trusted", "origin"]
 
 ENTRY_POINT_GROUP = "fp8ref.backends"
 #: Comma-separated names of entry-point backends that ``auto`` may consider without being named in
@@ -48,6 +48,54 @@ OPS = ("quantize", "scaled_mm", "linear")
 _BUILTIN_MODULES = ("fp8ref.kernels.reference", "fp8ref.kernels.torch_mm", "fp8ref.kernels.cpu",
                     "fp8ref.kernels.triton_kernels", "fp8ref.kernels.sgl",
                     "fp8ref.kernels.cpu_fp8", "fp8ref.kernels.cpu_fp8_amx")
+
+
+#: The two answers a backend may give to a NaN or +-Inf in an input (``NonFinite``).
+RAISE = "raise"
+PROPAGATE = "propagate"
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """What a backend does with NaN or +-Inf in each kind of input: ``RAISE`` (``ValueError``
+    before any output exists) or ``PROPAGATE`` (every output value computed from the non-finite
+    input is NaN or +-Inf). Never a finite value standing in for a non-finite one: that answer is
+    not on offer (docs/spec.md, "The calling contract", special values).
+
+    The defaults are the spec's own answers (``fp8ref.quantize`` and ``fp8ref.scaled_mm``): the
+    contracts ``*.non_finite`` check the declaration.
+
+    Attributes
+    ----------
+    x : str
+        Activations given to ``quantize`` and ``linear``. Propagating means: the dequantized value
+        of a non-finite element (code times scale) is non-finite, and so is every output row of
+        ``linear`` whose activation row holds one.
+    static_scale : str
+        The caller's scale of a static scheme (``quantize``/``linear`` ``scale=``); also zero or
+        negative there (the spec refuses those too). Propagating: the dequantized values of its
+        block are non-finite.
+    codes : str
+        NaN (and E5M2's Inf) codes in a ``Quantized`` operand of ``scaled_mm``.
+    scales : str
+        NaN/Inf in a ``Quantized.scale`` given to ``scaled_mm``.
+    bias : str
+        NaN/Inf in the bias of ``scaled_mm`` and ``linear``.
+
+    Propagating in ``scaled_mm``: y[m, n] is NaN or +-Inf wherever row m of ``a`` (codes or
+    scales), row n of ``b`` or ``bias[n]`` holds a non-finite value.
+    """
+
+    x: str = RAISE
+    static_scale: str = RAISE
+    codes: str = PROPAGATE
+    scales: str = PROPAGATE
+    bias: str = RAISE
+
+    def __post_init__(self) -> None:
+        for k, v in vars(self).items():
+            if v not in (RAISE, PROPAGATE):
+                raise ValueError(f"NonFinite.{k} must be {RAISE!r} or {PROPAGATE!r}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +151,10 @@ class Backend:
         then leaves those scans to the backend after a case's first call (they cost a pass over
         ``x`` per call); otherwise it scans before every call. The selector's probe checks the
         claim. Default False.
+    non_finite : NonFinite
+        What each entry point does with NaN/Inf in each kind of input (raise or propagate, per
+        kind); the defaults are the spec's answers. The conformance contracts ``*.non_finite``
+        check it, on every entry point the backend claims.
     precision : PrecisionClass
         Derived, not declared: the smallest precision class that holds ``accumulation`` and
         ``output_roundings`` (``fp8ref.spec.bounds.precision_class``).
@@ -132,6 +184,7 @@ class Backend:
     output_roundings: int = 1
     ops: tuple[str, ...] = OPS
     rejects_non_finite: bool = False
+    non_finite: NonFinite = NonFinite()
     conformance_max_elems: int | None = None
     conformance_max_examples: int | None = None
     time_budget_s: float | None = None

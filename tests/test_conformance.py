@@ -61,12 +61,26 @@ def test_failure_has_counterexample_and_reproduction():
     r = rep.results[0]
     assert r.status == "fail" and not rep.passed and rep.verdict == "fail"
     assert "M=" in r.counterexample and "ratio" in r.message
-    # an unregistered backend: the Python call only, naming the instance (no CLI line: it would not resolve)
-    assert r.reproduce.startswith("fp8ref.conformance.check(<backend>, profile='dev', seed=7, "
+    # an unregistered backend: named by its class path, which check() and the CLI load (issue 31)
+    path = f"{ScaleTwice.__module__}:ScaleTwice"
+    assert r.reproduce.startswith(f"fp8ref.conformance.check({path!r}, profile='dev', seed=7, "
                                   "contracts=['scaled_mm.bound'])")
-    assert "ScaleTwice instance 'mutant-scale-twice'" in r.reproduce
-    assert "fp8ref conformance --backend" not in r.reproduce
+    assert f"fp8ref conformance --backend {path} --profile dev --seed 7 --only scaled_mm.bound" in r.reproduce
+    again = check(path, "dev", seed=7, contracts=["scaled_mm.bound"]).results[0]
+    assert again.status == "fail" and again.counterexample == r.counterexample
     assert r.examples_to_failure >= 1 and rep.examples_to_detection == r.examples_to_failure
+    # the failing example is counted and its ratio shown, in the row and in the summary
+    assert r.examples == r.examples_to_failure and r.worst_ratio > 1 and rep.worst_ratio == r.worst_ratio
+
+
+def test_reproduce_line_of_a_class_that_cannot_be_rebuilt_names_the_instance():
+    class Local(Fp32Base):
+        name = "local-scale-twice"
+        scaled_mm = ScaleTwice.scaled_mm
+
+    r = check(Local(), "dev", seed=7, contracts=["scaled_mm.bound"]).results[0]
+    assert r.status == "fail" and r.reproduce.startswith("fp8ref.conformance.check(<backend>,")
+    assert "Local instance 'local-scale-twice'" in r.reproduce and "--backend" not in r.reproduce
 
 
 def test_shrunk_counterexample_when_the_search_finds_it():
@@ -328,7 +342,8 @@ def test_declared_accumulation_respected():
 @pytest.mark.parametrize("name", ["fp8ref.conformance.driver", "fp8ref.conformance.probe",
                                   "fp8ref.conformance.values", "fp8ref.conformance.sweep",
                                   "fp8ref.conformance.scope", "fp8ref.conformance.profiles",
-                                  "fp8ref.conformance.peers"])
+                                  "fp8ref.conformance.peers", "fp8ref.conformance.replay",
+                                  "fp8ref.conformance.problems", "fp8ref.conformance.reproduce"])
 def test_docstring_examples_run(name):
     import doctest
     import importlib

@@ -66,6 +66,7 @@ NOTEBOOK_ALLOWED = {
     ("fp8ref/bench/timing.py", "Default 1 ms on CUDA, 5 ms on CPU"): "a parameter's documented default",
     ("fp8ref/bench/report.py", "memory copy 10.00 GB/s (read + write); bf16 GEMM peak 100.0 GFLOP/s"):
         "a doctest's output on made-up input",
+    ("fp8ref/bench/model.py", "1.50x"): "a doctest's output on made-up input",
 }
 #: Modules whose job is to identify CPUs: they may name them (never with a figure).
 CPU_NAMES_ALLOWED = {"fp8ref/_machine.py": "says which vendor, family and model numbers name which design"}
@@ -523,3 +524,29 @@ def test_backend_declares_what_is_read_from_it():
                     and isinstance(node.args[1], ast.Constant) and node.args[1].value in attrs | methods):
                 guessed.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     assert not guessed, f"getattr/hasattr of attributes Backend declares: {guessed}"
+
+
+#: The argument checks of the calling contract, which live in ``fp8ref/spec/checks.py`` alone (issue 33).
+ARG_CHECKS = {"check_dense", "check_x", "check_weight", "check_call", "check_values", "check_linear_args",
+              "check_finite", "check_codes", "BIAS_NON_FINITE"}
+
+
+def test_argument_checks_have_one_home():
+    """Defined in ``fp8ref/spec/checks.py`` only, and imported from it directly: never re-defined,
+    and never reached through ``fp8ref.api`` or ``fp8ref.kernels`` (nn.py and checkpoint.py once
+    imported them from the api, which re-exported the kernels' copies)."""
+    home = "fp8ref/spec/checks.py"
+    below = {"fp8ref/spec/dense.py": {"check_dense"}}  # under quant.py, which runs it; checks re-exports it
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, (ast.FunctionDef, ast.Assign)) and rel != home
+                    and ({node.name} if isinstance(node, ast.FunctionDef)
+                         else {t.id for t in node.targets if isinstance(t, ast.Name)})
+                    & (ARG_CHECKS - below.get(rel, set()))):
+                bad.append(f"{rel}:{node.lineno} defines an argument check outside {home}")
+            if isinstance(node, ast.ImportFrom) and {a.name for a in node.names} & ARG_CHECKS:
+                if (node.module or "").split(".")[-1] not in ("checks", "dense"):
+                    bad.append(f"{rel}:{node.lineno} imports an argument check from {node.module!r}, not spec.checks")
+    assert not bad, "\n".join(bad)

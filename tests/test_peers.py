@@ -116,11 +116,13 @@ def test_certify_cli_lists_and_rejects_unknown_names():
 @pytest.mark.skipif(not (_installed("onnxruntime", "onnx") and _installed("torchao")),
                     reason="the CI rows need onnxruntime, onnx and torchao (tox installs them)")
 def test_ci_rows_of_the_certification_matrix_are_current():
-    """Recompute the onnxruntime and torchao rows (contracts only) and compare their verdicts with
-    docs/certified.md: a changed peer or contract fails here until the matrix is regenerated."""
+    """Recompute the onnxruntime, onnx-reference and torchao rows (contracts only) and compare their
+    verdicts with docs/certified.md: a changed peer or contract fails here until the matrix is
+    regenerated."""
     from fp8ref.cli import main
 
-    rc = main(["certify", "--peer", "onnxruntime-qdq", "--peer", "torchao-float8", "--in-process", "--no-measure",
+    rc = main(["certify", "--peer", "onnxruntime-qdq", "--peer", "onnx-reference-qdq", "--peer", "torchao-float8",
+               "--in-process", "--no-measure",
                "--check", str(MATRIX), "--known-failures", str(ROOT / "properties" / "known_failures.py")])
     assert rc == 0
 
@@ -212,3 +214,5 @@ def test_merge_puts_new_rows_in_and_keeps_the_others():
     assert "Rows merged by `fp8ref certify --merge`" in merged and "elsewhere" in merged and "`fake-other`" in merged
     again = merge(merged, [other], _header(), ["fake-other", "fake-zero-nan"])
     assert again.count("### `fake-other`") == 1 and recorded_verdicts(again) == recorded_verdicts(merged)
+    assert again.count("Rows merged by") == 1 and "elsewhere" not in again  # the superseded note goes
+    assert "\n\nRows merged by" in again

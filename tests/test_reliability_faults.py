@@ -24,10 +24,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from importlib import metadata
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_helpers import L, isolated  # noqa: F401 (isolated: an autouse fixture)
+from reliability_helpers import L, available, isolated  # noqa: F401 (isolated: an autouse fixture)
 
 import fp8ref
 from fp8ref import checkpoint, registry
@@ -117,28 +119,33 @@ def test_threads_on_first_use_see_the_whole_registry_and_agree(tmp_path):
 
 
 def test_registry_load_is_not_visible_half_done(monkeypatch):
-    """A second thread asking while the registry loads waits for all of it (in-process: the load
-    is slowed down so that the other thread surely asks in the middle)."""
-    import threading
-
+    """A second thread asking while the registry loads waits for all of it. In-process, as in a
+    fresh one: the registry starts with the reference alone, and each shipped module's backends
+    appear when its (slowed) import runs, so the other thread surely asks in the middle."""
+    registry._ensure_loaded()
+    saved = dict(registry._REGISTRY)
+    monkeypatch.setattr(registry, "_REGISTRY", {"reference": saved["reference"]})
     monkeypatch.setattr(registry, "_loaded", False)
-    names_during: list[list[str]] = []
     real = registry.importlib.import_module
     started = threading.Event()
 
     def slow_import(name):
         started.set()
         time.sleep(0.02)
-        return real(name)
+        mod = real(name)
+        for b in saved.values():  # what the module's import registers in a fresh process
+            if type(b).__module__ == name:
+                registry._REGISTRY.setdefault(b.name, b)
+        return mod
 
     monkeypatch.setattr(registry.importlib, "import_module", slow_import)
-    t = threading.Thread(target=registry._ensure_loaded)
-    t.start()
+    loader = threading.Thread(target=registry._ensure_loaded)
+    loader.start()
     started.wait(5)
-    names_during.append(sorted(b.name for b in registry.backends()))  # waits on the load lock
-    t.join()
-    assert names_during[0] == sorted(b.name for b in registry.backends())
-    assert {"reference", "cpu-fp8"} <= set(names_during[0])
+    during = sorted(b.name for b in registry.backends())  # asked in the middle of the load
+    loader.join()
+    assert {"cpu-fp8", "cpu-bf16", "torch"} <= set(during)
+    assert during == sorted(b.name for b in registry.backends())
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,25 +187,36 @@ def _lock_holder(path: Path, cache_dir: Path) -> subprocess.Popen:
 
 
 def test_a_stopped_writer_costs_one_warning_not_a_hang(tmp_path, monkeypatch):
+    """Two cold calls while another process holds the lock, stopped: both return, with one
+    warning in all. They run in a thread joined with a limit, so that a regression fails here
+    instead of hanging the run (killing the holder then releases the thread)."""
     path = cache.cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     holder = _lock_holder(path.with_name(path.name + ".lock"), path.parent)
     monkeypatch.setenv(cache.ENV_LOCK_TIMEOUT, "0.2")
     monkeypatch.setattr(cache, "_WARNED_ONCE", set())
+    w, got, caught = torch.randn(32, 64), {}, []
+
+    def calls():
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            got["y1"] = fp8ref.linear(torch.randn(2, 64), w)
+            got["y2"] = fp8ref.linear(torch.randn(40, 64), w)  # a second cold call: no second warning
+        caught.extend(str(r.message) for r in rec if "selection cache" in str(r.message))
+
+    worker = threading.Thread(target=calls, daemon=True)
     try:
-        w = torch.randn(32, 64)
-        t0 = time.monotonic()
-        with pytest.warns(UserWarning, match=r"stayed held for 0\.2 s.*shown once"):
-            y1 = fp8ref.linear(torch.randn(2, 64), w)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the second cold call: no second warning
-            y2 = fp8ref.linear(torch.randn(40, 64), w)
-        assert time.monotonic() - t0 < 60  # no hang (bounded by the two selections, not the lock)
-        assert y1.shape == (2, 32) and y2.shape == (40, 32)
-        assert not path.exists()  # proceeded without the disk cache
+        worker.start()
+        worker.join(CHILD_TIMEOUT)
+        hung = worker.is_alive()
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+        worker.join()
+    assert not hung, "a cold call blocked on the stopped writer's lock"
+    assert len(caught) == 1 and re.search(r"stayed held for 0\.2 s.*shown once", caught[0]), caught
+    assert got["y1"].shape == (2, 32) and got["y2"].shape == (40, 32)
+    assert not path.exists()  # proceeded without the disk cache
 
 
 def test_a_killed_writers_temporary_file_is_removed(tmp_path, monkeypatch):
@@ -343,6 +361,17 @@ def test_every_weight_change_is_seen_under_content(change, backend, monkeypatch)
         assert torch.equal(fp8ref.linear(x, w, backend=backend), _fresh(x, w, backend))
 
 
+def test_an_inference_tensor_changed_in_place_is_seen_under_content():
+    """Inference tensors have no version counter at all: only the content check sees a change."""
+    with torch.inference_mode():
+        w = torch.randn(32, 64)
+    x = torch.randn(3, 64)
+    fp8ref.linear(x, w, backend="cpu-fp8", weight_check="content")
+    with torch.inference_mode():
+        w[5:9].mul_(-4)
+    assert torch.equal(fp8ref.linear(x, w, backend="cpu-fp8", weight_check="content"), _fresh(x, w, "cpu-fp8"))
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu-fp8"])
 def test_fp8linear_buffers_written_through_data_are_never_half_old(backend):
     """The issue's case: new codes and scales copied into an Fp8Linear's buffers through ``.data``.
@@ -408,6 +437,21 @@ def test_exotic_tensors_are_refused_first_and_mark_nothing_failed(kind, arg, mon
         fp8ref.linear(x, w, bias)
     assert ran == []  # refused before any selection
     assert not cache._FAILED
+
+
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")
+@pytest.mark.parametrize("kind", ["sparse coo", "sparse csr", "mkldnn", "nested", "meta"])
+def test_exotic_tensors_are_refused_by_every_quantizer(kind):
+    """``fp8ref.quantize`` and every available backend's ``quantize`` (the reference's check runs
+    first in the shared fast quantizer) refuse them naming the argument, never reaching a torch
+    kernel that does not exist for the layout."""
+    t, exc, msg = _exotic()[kind]
+    scheme = fp8ref.W8A8_FP8.activation
+    with pytest.raises(exc, match=rf"^x .*{msg}|^x {msg}"):
+        fp8ref.quantize(t, scheme)
+    for name in available():
+        with pytest.raises(exc, match=msg):
+            registry.get_backend(name).quantize(t, scheme)
 
 
 def test_a_scale_on_another_device_than_its_codes_is_named():

@@ -11,7 +11,7 @@ import torch
 from ..registry import Backend
 from ..spec import bounds
 from ..spec.compare import error_ratio
-from ..spec.quant import Quantized, expand_scale, saturation_threshold
+from ..spec.quant import Quantized, expand_scale, quantize, saturation_threshold
 from ..spec.schemes import Granularity
 from .report import ErrorStats
 
@@ -143,6 +143,12 @@ def _sample(n: int, k: int) -> torch.Tensor:
     return torch.linspace(0, n - 1, min(k, n)).round().long().unique()
 
 
+def _spec_quantization(t: torch.Tensor, q: Quantized) -> Quantized:
+    """The spec's quantization of ``t`` under ``q``'s scheme (a static scheme keeps ``q``'s scale:
+    the caller's)."""
+    return quantize(t, q.scheme, None if q.scheme.dynamic else q.scale)
+
+
 def bound_check(acc: LayerAccumulator, x2, w, bias, y, *, qx: Quantized, qw: Quantized, b: Backend, od,
                 rows: int, cols: int) -> None:
     """Worst |y - y_true| / linear_error_bound on a rows x cols sample of the output.
@@ -154,7 +160,12 @@ def bound_check(acc: LayerAccumulator, x2, w, bias, y, *, qx: Quantized, qw: Qua
     so it is computed on the sampled rows of both operands, each kept with its own scales
     (``_take_rows``): exact for every element sampled, at a fraction of the cost of the full
     [M, N] bound (which needs several float64 GEMMs and an elementwise bound on all of w).
+
+    The bound is computed from the spec's own quantization of ``x2`` and ``w`` under the schemes of
+    ``qx`` and ``qw`` (a static scheme's scale is the caller's), never from the scales the backend
+    chose: a backend scale that clips is outside it (docs/spec.md §5.1).
     """
+    qx, qw = _spec_quantization(x2, qx), _spec_quantization(w, qw)
     qxs, ix = _take_rows(qx, _sample(x2.shape[0], rows))
     qws, iw = _take_rows(qw, _sample(w.shape[0], cols))
     xs, ws = x2[ix], w[iw]

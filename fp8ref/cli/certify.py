@@ -126,6 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     _prepare_env()
     try:
         from ..conformance import CONTRACT_NAMES
+        from ..conformance.contracts import CALLING_CONTRACT_NAMES
     except ImportError as exc:
         print(f"fp8ref certify needs hypothesis: pip install 'fp8ref[conformance]' ({exc})", file=sys.stderr)
         return 2
@@ -172,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..peers.matrix import compare, recorded_verdicts, render
 
-    n_contracts = len(args.only) if args.only else len(CONTRACT_NAMES)
+    n_contracts = len(args.only) if args.only else len(CONTRACT_NAMES) - len(CALLING_CONTRACT_NAMES)  # peers skip those
     certs = []
     with tqdm(total=len(selected) * n_contracts, desc="fp8ref certify", unit="contract", file=sys.stderr) as bar:
         for peer in selected:

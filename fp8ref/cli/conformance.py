@@ -5,6 +5,7 @@ Examples::
     fp8ref conformance --backend torch --profile ci --json torch.json
     fp8ref conformance --all --markdown conformance.md
     fp8ref conformance --merge host1.json host2.json --markdown fleet.md
+    fp8ref conformance --replay '{"type": "QuantizeProblem", ...}' --write-script repro.py
 
 Each report lists the contracts (status, examples run -- of which from the corner sweep --,
 declined, worst error/bound), then a coverage table: per contract, the ranges of M, N, K, the
@@ -34,8 +35,9 @@ def add_parser(sub) -> None:
     who.add_argument("--backend", action="append", metavar="NAME", help="backend to certify (repeatable)")
     who.add_argument("--all", action="store_true", help="every registered backend (the default)")
     who.add_argument("--merge", nargs="+", metavar="JSON", help="merge JSON reports of earlier runs into one table")
-    p.add_argument("--profile", choices=("dev", "ci", "thorough"), default=None,
-                   help="search budget: ci (derandomized, finds the bugs), dev (quick), thorough (nightly); "
+    p.add_argument("--profile", choices=("dev", "ci", "thorough", "limits"), default=None,
+                   help="search budget: ci (derandomized, finds the bugs), dev (quick), thorough (nightly), limits "
+                        "(the size limits past 2**31 elements, with --only OP.size_limits); "
                         "default: $FP8REF_HYPOTHESIS_PROFILE, else ci")
     p.add_argument("--seed", type=int, default=None,
                    help="Hypothesis seed (default: the profile's: fixed at 0 for ci, random and printed otherwise)")
@@ -47,7 +49,40 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write the report(s) as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the report(s) as markdown")
     p.add_argument("--list", action="store_true", help="print the contract table and exit")
+    p.add_argument("--replay", metavar="JSON",
+                   help="rebuild a printed counterexample (the JSON of a report's replay: line, or a file holding "
+                        "it): its exact tensors, the reference and the bound, then exit")
+    p.add_argument("--write-script", metavar="PY",
+                   help="with --replay: write a standalone script (torch only, no fp8ref) holding those tensors")
     p.set_defaults(func=_run)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """``--replay``: print the counterexample's tensors and bound; ``--write-script`` writes them out."""
+    from ..conformance import replay
+
+    text = args.replay
+    if os.path.isfile(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        r = replay(text)
+    except (ValueError, TypeError) as exc:
+        print(f"fp8ref conformance: --replay: {exc}", file=sys.stderr)
+        return 2
+    print(f"counterexample: {r.problem!r}")
+    for name, t in {**r.inputs, **{f"spec {k}": v for k, v in r.spec.items()}}.items():
+        print(f"  {name:14} {tuple(t.shape)} {t.dtype}")
+    print(f"  reference      {tuple(r.reference.shape)} float64; bound {tuple(r.bound.shape)} float64 "
+          f"(fp32 accumulation, one output rounding)")
+    if args.write_script:
+        reason = unwritable_reason(args.write_script)
+        if reason:
+            print(f"fp8ref conformance: --write-script: {reason}", file=sys.stderr)
+            return 2
+        r.write_script(args.write_script)
+        print(f"wrote {args.write_script} (python {args.write_script}; needs torch only)")
+    return 0
 
 
 def load_known_failures(path: str | None) -> list[dict]:
@@ -86,6 +121,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.list:
         print(_contract_table())
         return 0
+    if args.replay:
+        return _replay(args)
+    if args.write_script:
+        print("fp8ref conformance: --write-script needs --replay", file=sys.stderr)
+        return 2
     for opt, path in (("--json", args.json), ("--markdown", args.markdown)):
         reason = path and unwritable_reason(path)
         if reason:

@@ -11,21 +11,34 @@ fixture. See docs/conformance.md.
 
 What lives where, from the bottom up: ``profiles`` (budgets, boundary sizes), ``scope`` (what a
 certificate claims), ``values`` (float values, FP8 codes and static scales by family) and
-``problems`` (problem descriptions built from them), ``strategies`` (Hypothesis strategies of
-problems), ``sweep`` (the corner sweep), ``probe`` (``accumulator_bits``), ``contracts/`` (the
-table, one module of checks per op), ``coverage`` and ``report`` (what a report holds and how it
-prints), ``adaptation`` (how a peer's conventions and reproduce command reach the driver),
-``driver`` (``check``, ``check_contract``), ``peers`` (the peers' tolerances, for
-docs/mutants.md). Imports flow one way, down that list: each module imports only the ones before
-it, the spec and the registry (``fp8ref.kernels`` only lazily, for ``fp8ref.linear``); nothing
-here imports the CLI, the selector or ``fp8ref.peers``, which import this package.
+``problems`` (problem descriptions built from them, and their machine-readable form), ``replay`` (a
+counterexample's exact tensors, reference and bound, as a standalone script), ``strategies``
+(Hypothesis strategies of problems), ``sweep`` (the corner sweep), ``probe``
+(``accumulator_bits``), ``contracts/`` (the table, one module of checks per op), ``coverage`` and
+``report`` (what a report holds and how it prints), ``adaptation`` (how a peer's conventions and
+reproduce command reach the driver), ``reproduce`` (how a report names a backend and the call that
+reproduces a failure), ``driver`` (``check``, ``check_contract``), ``peers`` (the peers'
+tolerances, for docs/mutants.md). Imports flow one way, down that list: each module imports only
+the ones before it, the spec and the registry (``fp8ref.kernels`` only lazily, for
+``fp8ref.linear``); nothing here imports the CLI, the selector or ``fp8ref.peers``, which import
+this package.
 """
 
 from . import strategies
 from .contracts import CONTRACT_NAMES, CONTRACTS, Contract, ContractViolation, Declined, get_contract
-from .driver import ContractResult, Report, apply_known_failures, check, check_contract, load_report, merge_reports
+from .driver import (
+    ContractResult,
+    Report,
+    apply_known_failures,
+    check,
+    check_contract,
+    load_backend,
+    load_report,
+    merge_reports,
+)
 from .probe import PROBE_MAX_BITS, accumulator_bits
 from .profiles import ENV_VAR, PROFILES, Profile, get_profile
+from .replay import Replay, replay
 from .scope import Scope, make_scope
 from .sweep import corner_sweep
 
@@ -40,6 +53,7 @@ __all__ = [
     "PROBE_MAX_BITS",
     "PROFILES",
     "Profile",
+    "Replay",
     "Report",
     "Scope",
     "accumulator_bits",
@@ -49,8 +63,10 @@ __all__ = [
     "corner_sweep",
     "get_contract",
     "get_profile",
+    "load_backend",
     "load_report",
     "make_scope",
     "merge_reports",
+    "replay",
     "strategies",
 ]

@@ -12,6 +12,7 @@ what was tested and what the backend declined. The report classes live in ``repo
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -25,10 +26,10 @@ from .._progress import progress
 from ..registry import Backend, get_backend
 from ..spec.schemes import QuantScheme, Recipe
 from .adaptation import Adaptation, adapted
-from .contracts import CONTRACTS, Contract, Declined, get_contract, reference_threads
+from .contracts import CONTRACTS, Contract, ContractViolation, Declined, get_contract, reference_threads
 from .coverage import Coverage
 from .probe import accumulator_bits
-from .problems import QuantizeProblem
+from .problems import QuantizeProblem, problem_to_dict
 from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
 from .report import (
     ERROR,
@@ -48,10 +49,12 @@ from .report import (
     load_report,
     merge_reports,
 )
+from .reproduce import load_backend, reproduce_line
 from .scope import Scope, make_scope
-from .sweep import corner_sweep
+from .sweep import corner_sweep, exhaustive
 
 __all__ = ["Adaptation", "ExitReason", "Status", "classify", "ContractResult", "Report", "check", "check_contract",
+           "load_backend",
            "merge_reports", "load_report",
            "apply_known_failures", "reproduce_line", "PASS", "FAIL", "ERROR", "NA", "XFAIL", "XPASS", "YES", "NO",
            "UNTESTED", "NOT_CLAIMED"]
@@ -86,48 +89,6 @@ def _profile_for(backend: Backend, prof: Profile) -> Profile:
     if budget is not None and prof.time_budget_s is not None and budget > prof.time_budget_s:
         prof = prof.with_(time_budget_s=float(budget))
     return prof
-
-
-def _backend_expr(backend: Backend) -> tuple[str, str]:
-    """(how the Python reproduce line names the backend, a comment saying what it is)."""
-    if _registered(backend):
-        return repr(backend.name), ""
-    cls = type(backend)
-    return "<backend>", f"  # <backend>: the {cls.__module__}.{cls.__qualname__} instance {backend.name!r}"
-
-
-def _registered(backend: Backend) -> bool:
-    try:
-        return get_backend(backend.name) is backend
-    except KeyError:
-        return False
-
-
-def reproduce_line(backend: Backend, profile: str, seed: int, contract: str, scope: Scope | None = None) -> str:
-    """The call that reproduces a failure: always the Python call; for a backend registered
-    under its name (and a check not narrowed to schemes), the CLI command as well.
-
-    Examples
-    --------
-    >>> from fp8ref import get_backend
-    >>> from fp8ref.conformance.driver import reproduce_line
-    >>> print(reproduce_line(get_backend("reference"), "ci", 3, "scaled_mm.bound").replace("  or: ", "\\n"))
-    fp8ref.conformance.check('reference', profile='ci', seed=3, contracts=['scaled_mm.bound'])
-    fp8ref conformance --backend reference --profile ci --seed 3 --only scaled_mm.bound
-    """
-    who, note = _backend_expr(backend)
-    extra = ""
-    if scope is not None and tuple(scope.ops) != tuple(backend.ops):
-        extra += f", ops={tuple(scope.ops)!r}"
-    if scope is not None and scope.narrowed:
-        extra += ", schemes=<the same schemes>"
-    py = f"fp8ref.conformance.check({who}, profile={profile!r}, seed={seed}, contracts=[{contract!r}]{extra})"
-    if who.startswith("<") or (scope is not None and scope.narrowed):
-        return py + note
-    cli = f"fp8ref conformance --backend {backend.name} --profile {profile} --seed {seed} --only {contract}"
-    if scope is not None and tuple(scope.ops) != tuple(backend.ops):
-        cli += "".join(f" --ops {o}" for o in scope.ops)
-    return f"{py}  or: {cli}"
 
 
 def _claimed(backend: Backend, scope: Scope) -> str:
@@ -224,14 +185,31 @@ class _Run:
         self.res.status, self.res.message = classify(exc)
         self.res.counterexample = counterexample if counterexample is not None else (
             repr(problem) if problem is not None else None)
+        self.res.problem = problem_to_dict(problem) if problem is not None else None
+
+    def count_failure(self, problem, exc: BaseException) -> None:
+        """Count the failing example among the examples run (and in the coverage) and fold its
+        error/bound into the contract's worst: a violation's own ratio, inf for a violation without
+        one (a NaN code, differing bits); a crash of the backend has no ratio."""
+        self.n += 1
+        if problem is not None:
+            self.cov.add(problem.facets())
+        if isinstance(exc, ContractViolation):
+            ratio = math.inf if exc.ratio is None else exc.ratio
+        elif isinstance(exc, AssertionError):
+            ratio = math.inf
+        else:
+            return
+        self.worst = ratio if self.worst is None else max(self.worst, ratio)
 
     def execute(self, max_examples: int | None, sweep: bool) -> ContractResult:
         t0 = time.perf_counter()
         contract, res, backend = self.contract, self.res, self.backend
-        if contract.op not in self.scope.ops:
+        missing = [op for op in (contract.op, *contract.requires) if op not in self.scope.ops]
+        if missing:
             self.exit, res.status = ExitReason.NOT_CLAIMED, NOT_CLAIMED
-            why = "not declared by the backend" if contract.op not in backend.ops else "not among the ops checked"
-            res.note = f"op {contract.op} {why} (backend ops: {', '.join(backend.ops)})"
+            why = "not declared by the backend" if missing[0] not in backend.ops else "not among the ops checked"
+            res.note = f"op {missing[0]} {why} (backend ops: {', '.join(backend.ops)})"
             return res
         res.reproduce = (reproduce_line(backend, self.prof.name, self.seed, contract.name, self.scope)
                          if self.adapt is None or self.adapt.reproduce is None
@@ -269,6 +247,7 @@ class _Run:
                 self.cov.decline(str(exc))
             except Exception as exc:  # noqa: BLE001 -- a violation or a crash of the backend, reported
                 self.fail(problem, exc)
+                self.count_failure(problem, exc)
                 break
         self.res.sweep = self.n
 
@@ -277,8 +256,11 @@ class _Run:
         time budget) is spent or an example fails; a failure is shrunk and replayed last."""
         prof, n_sweep = self.prof, self.n
         t_search = time.perf_counter()
+        n = prof.max_examples if max_examples is None else max_examples
+        if self.contract.search_examples is not None:  # a contract's own cap (the calling contract's)
+            n = min(n, self.contract.search_examples)
 
-        @settings(hypothesis_settings(prof, max_examples), verbosity=Verbosity.quiet)
+        @settings(hypothesis_settings(prof, n), verbosity=Verbosity.quiet)
         @hseed(self.seed)
         @given(self.contract.strategy(prof, self.scope))
         def search(problem):
@@ -309,6 +291,7 @@ class _Run:
                 self.fail(None, exc)
             else:
                 self.fail(*self.failure)
+                self.count_failure(*self.failure)
             if "Flaky" in type(exc).__name__:
                 self.res.message = "(fails only sometimes: non-deterministic) " + self.res.message
             blob = _blob(exc)
@@ -364,6 +347,8 @@ def _op_sweep(backend: Backend, contract: Contract, prof: Profile, seed: int, sc
         _SWEEPS[key] = problems
         if len(_SWEEPS) > 64:
             _SWEEPS.popitem(last=False)
+    if not contract.exhaustive:
+        problems = [q for q in problems if not exhaustive(q)]
     problems = contract.sweep(problems) if contract.sweep is not None else list(problems)
     if contract.secondary and prof.sweep_stride > 1:
         off = CONTRACTS.index(contract) % prof.sweep_stride if contract in CONTRACTS else 0
@@ -385,7 +370,8 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     Parameters
     ----------
     backend : Backend or str
-        An instance (registered or not) or a registered name.
+        An instance (registered or not), a registered name, or ``"module:Class"`` (a class built
+        with no argument, as the reproduce line of an unregistered backend names it).
     profile : Profile or str or None
         ``dev``, ``ci`` (default) or ``thorough``; None reads ``$FP8REF_HYPOTHESIS_PROFILE``.
     seed : int, optional
@@ -432,7 +418,7 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
     True pass
     """
     if isinstance(backend, str):
-        backend = get_backend(backend)
+        backend = load_backend(backend) if ":" in backend else get_backend(backend)
     if not isinstance(backend, Backend):
         raise TypeError(f"expected an fp8ref.Backend or a registered name, got {type(backend).__name__}")
     prof = get_profile(profile)

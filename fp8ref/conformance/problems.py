@@ -13,18 +13,22 @@ and built in ``values.py`` (re-exported here). Imports flow down: the registry, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 
 import torch
 
 from ..registry import Case
 from ..spec import gemm
+from ..spec.formats import Fp8Format, get_format
 from ..spec.quant import Quantized, dequantize, quantize
 from ..spec.schemes import QuantScheme, Recipe
 from .values import (
     BIAS_MODES,
     CODE_FAMILIES,
+    EXHAUSTIVE_FAMILIES,
     GRID_FAMILIES,
+    MAGNITUDES,
     PLACES,
     STATIC_KINDS,
     VALUE_FAMILIES,
@@ -32,6 +36,7 @@ from .values import (
     TensorSpec,
     anchor_blocks,
     dname,
+    exhaustive_shape,
     make_codes,
     make_tensor,
     place_index,
@@ -42,6 +47,9 @@ from .values import (
 __all__ = [
     "VALUE_FAMILIES",
     "GRID_FAMILIES",
+    "EXHAUSTIVE_FAMILIES",
+    "MAGNITUDES",
+    "exhaustive_shape",
     "CODE_FAMILIES",
     "PLACES",
     "STATIC_KINDS",
@@ -57,6 +65,8 @@ __all__ = [
     "static_scale",
     "place_index",
     "swamp_ok",
+    "problem_to_dict",
+    "problem_from_dict",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -216,3 +226,68 @@ class LinearProblem:
         return (f"linear M={self.M} N={self.N} K={self.K} {self.recipe.short_str()} x:{dname(self.x_dtype)} "
                 f"out={dname(self.out_dtype)} x={self.x!r} w={self.w!r}" + bias
                 + _fmt_static(self.recipe.activation, self.static))
+
+
+# --------------------------------------------------------------------------------------------
+# machine-readable problems: what a report keeps of a counterexample, and ``replay`` reads
+
+_TYPES = {c.__name__: c for c in (QuantizeProblem, GemmProblem, LinearProblem, TensorSpec, CodeSpec, QuantScheme,
+                                  Recipe)}
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+def _enc(v):
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, Fp8Format):
+        return {"format": v.name}
+    if isinstance(v, enum.Enum):
+        return v.value
+    if type(v).__name__ in _TYPES and is_dataclass(v):
+        return {"type": type(v).__name__, **{f.name: _enc(getattr(v, f.name)) for f in fields(v)
+                                             if f.init and not _is_default(f, getattr(v, f.name))}}
+    if isinstance(v, tuple):
+        return {"tuple": [_enc(x) for x in v]}
+    return v
+
+
+def _is_default(f, value) -> bool:
+    """Whether a field holds its default (left out of the dict: ``_dec`` gets it back from the class)."""
+    return f.default is not MISSING and type(value) is type(f.default) and value == f.default
+
+
+def _dec(v):
+    if isinstance(v, dict):
+        if "type" in v:
+            return _TYPES[v["type"]](**{k: _dec(x) for k, x in v.items() if k != "type"})
+        if "dtype" in v:
+            return _DTYPES[v["dtype"]]
+        if "format" in v:
+            return get_format(v["format"])
+        if "tuple" in v:
+            return tuple(_dec(x) for x in v["tuple"])
+    return v
+
+
+def problem_to_dict(problem) -> dict:
+    """A problem as a JSON-serializable dict (every field, nested schemes and tensor descriptions
+    included); ``problem_from_dict`` rebuilds the equal problem.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fp8ref.conformance.problems import QuantizeProblem, TensorSpec, problem_from_dict, problem_to_dict
+    >>> from fp8ref import QuantScheme
+    >>> p = QuantizeProblem(2, 3, torch.bfloat16, QuantScheme(granularity="tensor"), TensorSpec("normal", -3, 7))
+    >>> problem_from_dict(problem_to_dict(p)) == p
+    True
+    """
+    return _enc(problem)
+
+
+def problem_from_dict(d: dict):
+    """The problem ``problem_to_dict`` wrote (``ValueError`` naming what is not a problem)."""
+    if not isinstance(d, dict) or d.get("type") not in ("QuantizeProblem", "GemmProblem", "LinearProblem"):
+        raise ValueError(f"not a serialized conformance problem (a dict with type QuantizeProblem, GemmProblem or "
+                         f"LinearProblem): {str(d)[:80]!r}")
+    return _dec(d)

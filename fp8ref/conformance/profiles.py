@@ -80,6 +80,9 @@ class Profile:
         Search examples per contract for a backend that pays per element (the Triton
         interpreter, ``conformance_max_elems``): a count, not a time, so the verdict stays
         independent of the machine's speed.
+    huge_sizes : bool
+        The ``*.size_limits`` contracts also draw operands past 2**31 elements (element offsets
+        that overflow int32): GiBs of memory per example, so only in the ``limits`` profile.
     """
 
     name: str
@@ -98,6 +101,7 @@ class Profile:
     max_rows: int = 1 << 30
     sweep_stride: int = 1
     slow_examples: int = 4
+    huge_sizes: bool = False
 
     def with_(self, **changes) -> Profile:
         return replace(self, **changes)
@@ -112,6 +116,10 @@ PROFILES: dict[str, Profile] = {
     "thorough": Profile("thorough", max_examples=200, max_mn=256, max_k=4097, tiny_blocks=True,
                         time_budget_s=300.0, thresholds=(8, 16, 32, 64, 128, 256, 512),
                         large_rows=(1024, 4096), long_k=(4096, 16384), max_rows=4097),
+    # The size limits past 2**31 elements (run it with --only <op>.size_limits: GiBs per example).
+    "limits": Profile("limits", max_examples=4, max_mn=64, max_k=272, max_elems=16384, time_budget_s=math.inf,
+                      derandomize=True, thresholds=(8, 16, 32, 64, 128, 256), large_rows=(1024,), long_k=(1024, 4096),
+                      max_rows=1025, huge_sizes=True),
 }
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,

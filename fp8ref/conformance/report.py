@@ -69,6 +69,7 @@ class ContractResult:
     sweep: int = 0  #: examples of ``examples`` that came from the pinned examples and the corner sweep
     examples_to_failure: int | None = None  #: examples run until the first failure, the failing one included
     coverage: dict | None = None  #: ``Coverage.to_dict()``: what the examples that ran covered, what was declined
+    problem: dict | None = None  #: the counterexample, machine-readable (``fp8ref.conformance.replay`` takes it)
 
     def detail(self, counterexample_label: str = "", blob: bool = True) -> str:
         """One line for a report table: the counterexample with the message and how to reproduce
@@ -150,7 +151,8 @@ class Report:
 
     @property
     def worst_ratio(self) -> float | None:
-        ratios = [r.worst_ratio for r in self.results if r.worst_ratio is not None and not r.failed]
+        """The largest error/bound over every contract, the failing examples' included."""
+        ratios = [r.worst_ratio for r in self.results if r.worst_ratio is not None]
         return max(ratios) if ratios else None
 
     @property
@@ -237,7 +239,9 @@ class Report:
                          f"{_fmt_ratio(r.worst_ratio):>10} {r.seconds:6.2f}s")
             if r.failed or r.status in (NO, XFAIL, NA, UNTESTED):
                 for extra in (r.counterexample and f"counterexample: {r.counterexample}", r.message, r.note,
-                              r.reproduce and f"reproduce: {r.reproduce}"):
+                              r.reproduce and f"reproduce: {r.reproduce}",
+                              r.problem and f"replay: fp8ref conformance --replay '{json.dumps(r.problem)}' "
+                                            f"--write-script repro.py"):
                     if extra:
                         lines.append(f"      {extra}")
         lines.append("  coverage of the examples that ran:")

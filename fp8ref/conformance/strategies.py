@@ -35,6 +35,7 @@ from .problems import (
     BIAS_MODES,
     CODE_FAMILIES,
     GRID_FAMILIES,
+    MAGNITUDES,
     PLACES,
     STATIC_KINDS,
     VALUE_FAMILIES,
@@ -240,7 +241,8 @@ def _tensor_specs(p: Profile, dtype: torch.dtype, families=VALUE_FAMILIES):
 
     lo, hi = _exp_range(dtype)
     return st.builds(TensorSpec, st.sampled_from(families),
-                     st.one_of(st.just(0), st.integers(-12, 8), st.integers(lo, hi)),
+                     st.one_of(st.just(0), st.integers(-12, 8), st.integers(lo, hi),
+                               st.sampled_from(MAGNITUDES[dtype])),
                      st.integers(0, 2**16), _places(p))
 
 

@@ -16,6 +16,17 @@ generated for the profile and the backend, organised in sections, one per class 
   its own scale, so a transposed, column-major or misindexed scale read changes the result;
 * **format corners**: per format, subnormals and values that round to zero (FNUZ's -0), exact ties,
   +-qmax, grid values;
+* **magnitudes**: amax across the whole exponent range of every input dtype (``MAGNITUDES``: from
+  below the smallest subnormal to near the largest power of two), under dynamic schemes without an
+  amax floor whose scale computation underflows or lands in the subnormal range (fp32, bf16 and fp16
+  scale and compute dtypes, subnormal scales); GEMM outputs in the subnormal range of each output
+  dtype (scales near 2**-70, fp16 outputs near 2**-20);
+* **repeated calls**: linear items in pairs of one shape and recipe, the second 2**8 times larger
+  (a scale kept from the previous call clips it);
+* **exhaustive**: every bf16 and fp16 bit pattern through each quantizer (per-row, per-tensor,
+  group, E5M2, E4M3FNUZ), and every positive bf16 value as a row's amax under each dynamic per-row
+  scheme: one call of up to 261k elements each, run by ``quantize.codes`` and ``quantize.scale``
+  only (``Contract.exhaustive``);
 * **rounding count**: biases that cancel row 0 of the product, for bf16 and fp16 outputs;
 * **accumulation precision**: swamped dot products for every significand width in
   ``SWAMP_BITS``, at K = 64 and at the longest K of the profile.
@@ -24,6 +35,11 @@ Each item names a preferred scheme (or recipe, output dtype, bias) and, when the
 it, takes the next one in a fixed rotation that it accepts, so a narrow backend still gets every
 shape, placement and corner in a scheme it runs. The rotation's starting point moves with the
 seed: every seed covers every item, in different pairings.
+
+Why this module is long: the sweep is the suite's argument that each bug class is reached by
+construction, section by section (docs/conformance.md follows it); the rotations of schemes and
+recipes are shared by the three ops' sections, which would otherwise be split across modules that
+import each other's tables.
 """
 
 from __future__ import annotations
@@ -37,19 +53,22 @@ from ..registry import Backend, decline_reason
 from ..spec.formats import E4M3FNUZ, E5M2
 from ..spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
 from .problems import (
+    EXHAUSTIVE_FAMILIES,
+    MAGNITUDES,
     STATIC_KINDS,
     CodeSpec,
     GemmProblem,
     LinearProblem,
     QuantizeProblem,
     TensorSpec,
+    exhaustive_shape,
     swamp_ok,
 )
 from .profiles import Profile, boundary_sizes
 from .scope import Scope
 from .strategies import INPUT_DTYPES, OUT_DTYPES, SWAMP_BITS
 
-__all__ = ["corner_sweep", "QUANTIZE_SCHEMES", "GEMM_RECIPES"]
+__all__ = ["corner_sweep", "exhaustive", "QUANTIZE_SCHEMES", "GEMM_RECIPES", "MAGNITUDES"]
 
 _f32, _f16, _bf16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -105,6 +124,36 @@ _STATIC_SCHEMES: tuple[QuantScheme, ...] = (
     _qs(format=E5M2, granularity="row", dynamic=False),
     _qs(format=E4M3FNUZ, granularity="tensor", dynamic=False),
 )
+#: Dynamic schemes with no amax floor: where the scale computation underflows (fp32, bf16 or fp16
+#: compute dtype), lands in the subnormal range (subnormal scales kept), or overflows (fp16 scales:
+#: the spec refuses, the driver discards).
+_MAGNITUDE_SCHEMES: tuple[QuantScheme, ...] = (
+    _qs(granularity="row", amax_floor=0.0),
+    _qs(granularity="row", amax_floor=0.0, scale_compute_dtype=_bf16),
+    _qs(granularity="tensor", amax_floor=0.0, scale_dtype=_bf16, scale_compute_dtype=_bf16),
+    _qs(granularity="row", amax_floor=0.0, subnormal_scales=True),
+    _qs(format=E5M2, granularity="group", group_size=16, amax_floor=0.0),
+    _qs(granularity="row", amax_floor=0.0, scale_dtype=_f16, scale_compute_dtype=_f16),
+    _qs(granularity="row"),
+)
+#: Schemes of the exhaustive items: every bf16 and fp16 bit pattern through each (``all_bits``),
+#: every positive bf16 value as a row's amax under each dynamic per-row scheme (``amax_rows``).
+_ALL_BITS_SCHEMES: tuple[QuantScheme, ...] = (
+    _qs(granularity="row"),
+    _qs(granularity="tensor"),
+    _qs(granularity="group", group_size=32, scale_dtype=_bf16),
+    _qs(format=E5M2, granularity="row"),
+    _qs(format=E4M3FNUZ, granularity="row", qmax=224.0),
+)
+_AMAX_ROW_SCHEMES: tuple[QuantScheme, ...] = (
+    _qs(granularity="row"),
+    _qs(granularity="row", amax_floor=0.0),
+    _qs(granularity="row", amax_floor=0.0, scale_compute_dtype=_bf16),
+    _qs(granularity="row", amax_floor=0.0, subnormal_scales=True),
+    _qs(granularity="row", pow2_scale=True),
+    _qs(format=E5M2, granularity="row"),
+    _qs(format=E4M3FNUZ, granularity="row", qmax=224.0),
+)
 #: (scheme, rows, cols): scale grids of several rows and columns.
 _Q_LAYOUTS = (
     (_qs(granularity="block", block=(3, 5)), 7, 23),
@@ -116,6 +165,17 @@ _Q_LAYOUTS = (
     (_qs(granularity="block", block=(3, 5), dynamic=False), 7, 23),
     (_qs(granularity="group", group_size=32, dynamic=False), 3, 100),
 )
+
+
+#: The exhaustive items run where the profile allows operands this large per example (ci and
+#: thorough; not dev, not a backend that pays per element).
+_EXHAUSTIVE_MIN_ELEMS = 16384
+
+
+def exhaustive(problem) -> bool:
+    """Whether a sweep problem is one of the exhaustive items (only contracts with ``exhaustive``
+    set run them)."""
+    return isinstance(problem, QuantizeProblem) and problem.x.family in EXHAUSTIVE_FAMILIES
 
 
 def _r(name: str, w: QuantScheme, a: QuantScheme) -> Recipe:
@@ -260,6 +320,26 @@ def _quantize_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list
             fam = ("normal", "spike", "ties", "underflow")[(i + j) % 4]
             spec = TensorSpec(fam, 0, 600 + 4 * i + j, "last" if fam == "spike" else "")
             yield cands((4, 2, 7, 1)[j], (48, 130, 23, 257)[j], spec, [s], i + j, kinds=[kind])
+    # magnitudes: every exponent of every input dtype, first under the schemes whose scale
+    # computation underflows there (each dtype's own compute dtype first)
+    n = 0
+    for dt, exps in MAGNITUDES.items():
+        for e in exps:
+            first = {_f32: 0, _bf16: 1, _f16: 5}[dt]
+            order = claimed or _rot(_MAGNITUDE_SCHEMES, first + (n % 2) * (3 + seed))
+            x = TensorSpec(("normal", "single")[n % 2], e, 1300 + n)
+            yield [QuantizeProblem((2, 3, 1)[n % 3], (40, 17, 64)[n % 3], dt, s, x) for s in order]
+            n += 1
+    # exhaustive: every bf16 and fp16 pattern, every bf16 value as a row's amax (one call each, up to
+    # 261k elements: run by the contracts that ask for them, skipped for a backend that pays per element)
+    if p.max_elems >= _EXHAUSTIVE_MIN_ELEMS:
+        for fam, dtypes, schemes in (("all_bits", (_bf16, _f16), _ALL_BITS_SCHEMES),
+                                     ("amax_rows", (_bf16,), _AMAX_ROW_SCHEMES)):
+            for dt in dtypes:
+                rows, cols = exhaustive_shape(fam, dt)
+                for i, sch in enumerate(schemes):
+                    order = [sch] if claimed is None else claimed
+                    yield [QuantizeProblem(rows, cols, dt, s2, TensorSpec(fam, 0, i)) for s2 in order]
     # scale layouts: grids of several rows and columns, every block its own amax
     for i, (s, rows, cols) in enumerate(_Q_LAYOUTS):
         if _fits(p, (rows, cols)):
@@ -328,6 +408,13 @@ def _gemm_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[Gem
             b = CodeSpec("swamp", 1, -12, True, bits=t // 2)
             yield cands(2, 2, K, a, b, claimed or _SWAMP_RECIPES, i + j, outs=(_f32, _bf16, _f16),
                         biases=((False, "random"),))
+    # magnitudes: outputs in the subnormal range of each output dtype (scales near 2**-70 put
+    # sa sb near 2**-140, below fp32's and bf16's smallest normal; fp16 outputs below 2**-14)
+    for i, (o, e) in enumerate(((_f32, -70), (_bf16, -70), (_f16, -18), (_f32, -66), (_bf16, -74), (_f16, -14))):
+        a = CodeSpec("bits", 1400 + 2 * i, e, i % 2 == 0)
+        b = CodeSpec(("bits", "positive")[i % 2], 1401 + 2 * i, e, False)
+        yield cands((3, 2, 5)[i % 3], (5, 17, 4)[i % 3], (40, 16, 33)[i % 3], a, b, main, i, outs=(o,),
+                    biases=((False, "random"),))
     # rounding count: a bias that cancels row 0 of the product, bf16 and fp16 outputs
     for i, (K, o) in enumerate(((16, _bf16), (100, _f16), (300, _bf16), (64, _f16), (33, _bf16), (130, _f16))):
         if _fits(p, (3, K), (8, K)):
@@ -386,6 +473,12 @@ def _linear_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[L
     for i, fam in enumerate(("underflow", "ties", "qmax", "dynamic_range", "heavy", "zero_rows")):
         yield cands((4, 2, 16)[i % 3], (8, 33, 3)[i % 3], (32, 17, 64)[i % 3], TensorSpec(fam, 0, 1200 + i, "last"),
                     w_spec, main, i + 3)
+    # repeated calls: the same shape and recipe twice in a row, the second 2**8 times larger, so a
+    # scale (or anything derived from x) kept from the previous call clips the second
+    for i, (M, N, K) in enumerate(((3, 5, 40), (16, 4, 130), (1, 8, 64))):
+        for exp in (-4, 4):
+            yield cands(M, N, K, TensorSpec(("normal", "outliers", "spike")[i], exp, 1300 + i, "last"), w_spec, main,
+                        i + 7)
 
 
 # --------------------------------------------------------------------------------------------

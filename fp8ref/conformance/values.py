@@ -42,13 +42,20 @@ from ..spec.formats import Fp8Format
 from ..spec.quant import Quantized, compute_scale
 from ..spec.schemes import QuantScheme
 
-__all__ = ["VALUE_FAMILIES", "GRID_FAMILIES", "CODE_FAMILIES", "PLACES", "STATIC_KINDS", "BIAS_MODES", "TensorSpec",
+__all__ = ["VALUE_FAMILIES", "EXHAUSTIVE_FAMILIES", "MAGNITUDES", "exhaustive_shape", "GRID_FAMILIES",
+           "CODE_FAMILIES", "PLACES", "STATIC_KINDS", "BIAS_MODES", "TensorSpec",
            "CodeSpec", "make_tensor", "make_codes", "anchor_blocks", "static_scale", "place_index", "swamp_ok",
            "dname"]
 
 
 VALUE_FAMILIES = ("normal", "uniform", "zeros", "single", "constant_rows", "zero_rows", "outliers", "heavy",
                   "dynamic_range", "spike", "ties", "qmax", "on_grid", "underflow")
+#: Exhaustive families (never drawn by the search; ``exhaustive_shape`` gives their only shape):
+#: ``all_bits`` is every finite bit pattern of a 16-bit dtype, non-negative ones in increasing order
+#: on the first half of the rows and their negatives on the second, so each row spans ~16 binades
+#: and quantizes at a scale of its own magnitude; ``amax_rows`` has one row per positive finite value
+#: v of the dtype, ``[v, -3v/4, 9v/128, v/2**9, v/2**12, -v/3, v/2**20, 0]``: every value is a row's amax.
+EXHAUSTIVE_FAMILIES = ("all_bits", "amax_rows")
 #: Families whose values are built on the scheme's grid: the dynamic scale is exactly 2**exp.
 GRID_FAMILIES = ("ties", "qmax", "on_grid", "underflow")
 CODE_FAMILIES = ("bits", "small", "sparse", "extremes", "zeros", "positive", "spike", "swamp")
@@ -104,6 +111,18 @@ class TensorSpec:
     def __repr__(self) -> str:
         at = f"@{self.place}" if self.place else ""
         return f"{self.family}{at}(2**{self.exp}, seed={self.seed})"
+
+
+#: Powers of two across the whole exponent range of each input dtype: below the smallest subnormal
+#: (2**-149 fp32, 2**-133 bf16, 2**-24 fp16), through the subnormals and the normal range, to near
+#: the largest power of two whose normal draws stay finite. amax / qmax underflows in fp32 below
+#: 2**-141, in bf16 below 2**-124, in fp16 below 2**-15. The magnitude sweep runs each; the search
+#: draws them a quarter of the time.
+MAGNITUDES: dict[torch.dtype, tuple[int, ...]] = {
+    torch.float32: (-149, -146, -143, -140, -134, -127, -120, -64, 0, 64, 120),
+    torch.bfloat16: (-133, -130, -127, -124, -120, -64, 0, 64, 120),
+    torch.float16: (-24, -22, -18, -15, -12, -6, 0, 8, 13),
+}
 
 
 def _exp_range(dtype: torch.dtype) -> tuple[int, int]:
@@ -180,6 +199,37 @@ def _underflow_points(fmt: Fp8Format) -> torch.Tensor:
     return torch.cat([torch.tensor([0.0, 0.25, 0.5, 0.75], dtype=torch.float64), k, k[1:] + 0.5]) * sub
 
 
+def _finite_patterns(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite non-negative value of a 16-bit float dtype, in increasing bit (and value) order."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"exhaustive families take a 16-bit dtype (bfloat16, float16), got {dtype}")
+    top = 0x7F7F if dtype == torch.bfloat16 else 0x7BFF  # the largest finite pattern
+    return torch.arange(top + 1, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def exhaustive_shape(family: str, dtype: torch.dtype) -> tuple[int, int]:
+    """The ``[rows, cols]`` of an exhaustive family in ``dtype`` (32 x 2040 for every bf16 pattern,
+    32 x 1984 for fp16; 32639 x 8 and 31743 x 8 for ``amax_rows``)."""
+    n = len(_finite_patterns(dtype))
+    if family == "all_bits":
+        return 32, 2 * n // 32
+    if family == "amax_rows":
+        return n - 1, 8
+    raise ValueError(f"unknown exhaustive family {family!r}; expected one of {EXHAUSTIVE_FAMILIES}")
+
+
+def _exhaustive(family: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    if (rows, cols) != exhaustive_shape(family, dtype):
+        raise ValueError(f"family {family!r} in {dtype} has shape {exhaustive_shape(family, dtype)}, "
+                         f"asked for {(rows, cols)}")
+    v = _finite_patterns(dtype)
+    if family == "all_bits":
+        return torch.cat([v, -v]).reshape(rows, cols)
+    v = v[1:].to(torch.float64).reshape(-1, 1)
+    factors = torch.tensor([1, -0.75, 9 / 128, 2.0**-9, 2.0**-12, -1 / 3, 2.0**-20, 0], dtype=torch.float64)
+    return (v * factors).to(dtype)
+
+
 def make_tensor(spec: TensorSpec, rows: int, cols: int, dtype: torch.dtype,
                 scheme: QuantScheme | None = None) -> torch.Tensor:
     """Build the ``[rows, cols]`` tensor of ``dtype`` that ``spec`` describes.
@@ -201,6 +251,8 @@ def make_tensor(spec: TensorSpec, rows: int, cols: int, dtype: torch.dtype,
     >>> int(x[0].abs().argmax()), int(x[1].abs().argmax())  # per-row scales: each row's last element
     (16, 16)
     """
+    if spec.family in EXHAUSTIVE_FAMILIES:
+        return _exhaustive(spec.family, rows, cols, dtype)
     g = torch.Generator().manual_seed(spec.seed)
     f64 = torch.float64
     fam = spec.family

@@ -110,10 +110,12 @@ def empty_result(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Te
 
 
 def bias_fp32(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """The bias as fp32 on ``device`` (one rounding for a float64 bias, covered by the fp32 bound)."""
+    """The bias as a contiguous fp32 tensor on ``device`` (one rounding for a float64 bias, covered by
+    the fp32 bound; contiguous because native kernels take a pointer, and a caller's bias may be a
+    strided view)."""
     if bias is None:
         return None
-    return bias.to(device=device, dtype=torch.float32)
+    return bias.to(device=device, dtype=torch.float32).contiguous()
 
 
 def pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -245,9 +247,9 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
     """
     if scale is not None or not _fast_ok(scheme):
         return quant.quantize(x, scheme, scale)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16,
-                                                                            torch.float16):
-        return quant.quantize(x, scheme)  # the reference raises the right error or handles fp64
+    if (not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.is_nested or x.device.type == "meta"
+            or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return quant.quantize(x, scheme)  # the reference raises the right error (sparse, nested...) or handles fp64
     rows, cols = x.shape
     if x.numel() == 0 or cols == 0:
         return quant.quantize(x, scheme)

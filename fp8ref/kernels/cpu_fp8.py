@@ -41,18 +41,18 @@ import sys
 import torch
 
 from .._machine import cpu_flags, cpu_model
-from ..registry import Backend, Case, register_backend
+from ..registry import RAISE, Backend, Case, NonFinite, register_backend
 from ..spec.bounds import Accumulation
+from ..spec.checks import BIAS_NON_FINITE as _BIAS_NON_FINITE
+from ..spec.checks import check_finite
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
-from ._common import BIAS_NON_FINITE as _BIAS_NON_FINITE
 from ._common import (
     PreparedWeight,
     amax_all_finite,
     bias_fp32,
-    check_finite,
     check_mm_args,
     empty_result,
     fast_quantize,
@@ -163,6 +163,7 @@ class CpuFp8Backend(Backend):
     accumulation = Accumulation.FP32
     output_roundings = 1
     rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
+    non_finite = NonFinite(codes=RAISE)  # the kernel decodes NaN codes as 480: scaled_mm scans and refuses them
     #: use vdpbf16ps where the CPU has avx512_bf16 (else the fp16-decode + fp32 FMA paths)
     bf16_dot = True
     #: force one unpacked path (``"avx512"``, ``"avx2"``, ``"scalar"``; tests); None: the best one
@@ -218,6 +219,8 @@ class CpuFp8Backend(Backend):
         reason = self._scheme_reason(w.scheme, "weight")
         if reason:
             raise ValueError(reason)
+        if w.data.shape[1] == 0:  # before packing, which has no K to pack (the spec's rule and message)
+            raise ValueError("w has 0 columns: the reduction dim K must be at least 1")
         if _nan_codes(w.data):
             raise ValueError(f"the weight holds NaN codes; {self.name} does not propagate NaN")
         codes = w.data.contiguous().view(torch.uint8)

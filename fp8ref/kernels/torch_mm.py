@@ -10,7 +10,9 @@ Numerics (checked against the spec by tests/test_kernels.py):
 * CPU (torch 2.13): both operands are widened to fp32 and multiplied with an fp32 GEMM, the
   scales and the bias are applied in fp32 and the result is rounded once to ``out_dtype``
   (measured: a bias that only cancels before the rounding comes out exact), so ``torch`` declares
-  ``Accumulation.FP32`` and one output rounding.
+  ``Accumulation.FP32`` and one output rounding. With tensor-wise scales and a bf16 output it
+  flushes subnormal outputs to 0 (IEEE rounding keeps them: docs/spec.md §3.3), so that case asks
+  for fp32 and rounds once itself.
 * CUDA: cuBLASLt accumulates in fp32 unless ``use_fast_accum=True`` (Hopper's ~14-bit tensor-core
   accumulator, ``Accumulation.FAST``: the ``torch-fast`` variant). cuBLASLt wants K and N
   multiples of 16; both are zero-padded (zero codes add exact zeros), the weight once at
@@ -160,7 +162,8 @@ class TorchScaledMMBackend(Backend):
 
     def _weight_operand(self, b: Quantized, pad: bool) -> torch.Tensor:
         """``b`` as the column-major ``[K, N]`` operand (K and N zero-padded to 16 if ``pad``)."""
-        return (pad_weight(b.data, _ALIGN) if pad else b.data).t()
+        # contiguous: torch._scaled_mm on CPU (2.13) reads a strided operand as if it were dense
+        return (pad_weight(b.data, _ALIGN) if pad else b.data.contiguous()).t()
 
     def prepare_weight(self, w: Quantized) -> PreparedWeight:
         reason = self._scheme_reason(w.scheme, "weight", w.data.device)
@@ -196,7 +199,7 @@ class TorchScaledMMBackend(Backend):
         N = b.data.shape[0]
         if b_op is None:
             b_op = self._weight_operand(b, pad)
-        a_op = pad_last(a.data, _ALIGN) if pad else a.data
+        a_op = pad_last(a.data, _ALIGN) if pad else a.data.contiguous()
         sa, sb = a.scale.to(torch.float32), b.scale.to(torch.float32)
         if a.scheme.granularity is Granularity.ROW or b.scheme.granularity is Granularity.ROW:
             sa = sa.expand(M, 1).contiguous()
@@ -208,6 +211,11 @@ class TorchScaledMMBackend(Backend):
             sa, sb = sa.reshape(()), sb.reshape(())
         fused_bias, late_bias = None, None
         mm_dtype = torch.float32 if out_dtype == torch.float64 else out_dtype
+        if not cuda and mm_dtype == torch.bfloat16 and sa.dim() == 0:
+            # torch 2.13's CPU _scaled_mm with tensor-wise scales flushes subnormal bf16 outputs to 0
+            # (found by the conformance magnitude sweep; row-wise scales and fp16 outputs round them):
+            # the fp32 result, rounded once here, has the same bits everywhere else.
+            mm_dtype = torch.float32
         if bias is not None:
             if not cuda:
                 fused_bias = bias_fp32(bias, dev)  # CPU: added in fp32 before the single rounding

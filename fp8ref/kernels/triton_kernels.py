@@ -30,16 +30,18 @@ every 32: the ``fast`` class until a GPU run measures better.
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import nullcontext
 
 import torch
 
-from ..registry import Backend, Case, register_backend
+from ..registry import RAISE, Backend, Case, NonFinite, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
 from ..spec.gemm import OUT_DTYPES
 from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
-from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, unwrap
+from ._common import bias_fp32, check_mm_args, empty_result, fast_quantize, ieee_methods, standard_scale, unwrap
 
 __all__ = ["TritonBackend", "triton_quantize", "triton_scaled_mm", "interpreting", "CUDA_ACCUMULATION",
            "rne_e4m3_reference"]
@@ -114,6 +116,16 @@ def _quant_reason(scheme: QuantScheme) -> str | None:
     return None
 
 
+#: Triton's CPU interpreter keeps the launch's grid in module state: two threads launching at once
+#: read each other's grid (``y >= grid_dim[1]``) or lose the JIT context; launches there take turns.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _launching():
+    """The context a kernel launch runs in: the interpreter's lock under the interpreter, else nothing."""
+    return _INTERPRETER_LOCK if interpreting() else nullcontext()
+
+
 def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     """Quantize ``x`` [rows, cols] with the Triton kernel (schemes per ``_quant_reason``).
 
@@ -131,10 +143,11 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     reason = _quant_reason(scheme)
     if reason:
         raise ValueError(reason)
-    check_shape = isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16,
-                                                                                 torch.float16)
+    check_shape = (isinstance(x, torch.Tensor) and x.layout is torch.strided and not x.is_nested
+                   and x.device.type != "meta" and x.dim() == 2
+                   and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
     if not check_shape or x.numel() == 0:
-        check_float_input(x)  # raises for the wrong type/shape; handles the empty case below
+        check_float_input(x)  # raises for the wrong type/layout/shape; handles the empty case below
         return fast_quantize(x, scheme)
     k = _kernels()
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -145,9 +158,7 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
         amax = x.abs().amax().to(torch.float32)
         if not bool(torch.isfinite(amax)):
             check_float_input(x)
-        s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        s = torch.clamp(s, min=torch.finfo(torch.float32).tiny).reshape(1, 1)
+        s = standard_scale(amax, scheme.qmax, scheme.amax_floor).reshape(1, 1)
         G, n_groups = cols, 1
     else:
         G = cols if g is Granularity.ROW else scheme.group_size
@@ -156,9 +167,10 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     q = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
     bad = torch.empty(rows, n_groups, dtype=torch.int32, device=x.device)
     block = _pow2_at_least(min(G, cols), 16, _MAX_CHUNK)
-    k._quant_kernel[(rows, n_groups)](x, q, s, bad, cols, G, n_groups, x.stride(0), q.stride(0),
-                              scheme.qmax, scheme.amax_floor, float(torch.finfo(torch.float32).tiny),
-                              STATIC=static, BLOCK=block)
+    with _launching():
+        k._quant_kernel[(rows, n_groups)](x, q, s, bad, cols, G, n_groups, x.stride(0), q.stride(0),
+                                  scheme.qmax, scheme.amax_floor, float(torch.finfo(torch.float32).tiny),
+                                  STATIC=static, BLOCK=block)
     if bool(bad.any()):
         check_float_input(x)
     return Quantized(q.view(scheme.format.torch_dtype), s, scheme, 0)
@@ -207,6 +219,10 @@ def triton_scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     empty = empty_result(a, b, out_dtype)
     if empty is not None:
         return empty
+    if interpreting():  # the interpreter decodes E4M3FN's NaN codes (0x7F, 0xFF) as numbers: refuse them
+        for q, what in ((a, "the activations"), (b, "the weight")):
+            if bool(((q.data.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise ValueError(f"{what} hold NaN codes; the triton GEMM under the interpreter does not propagate NaN")
     k = _kernels()
     M, K = a.data.shape
     N = b.data.shape[0]
@@ -220,10 +236,11 @@ def triton_scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     block_m = _pow2_at_least(M, 16, 64)
     block_n = _pow2_at_least(N, 16, 64)
     grid = (-(-M // block_m), -(-N // block_n))
-    k._mm_kernel[grid](ad, bd, sa, sb, b32 if b32 is not None else out, out, M, N, K,
-               ad.stride(0), bd.stride(0), out.stride(0), sa_sm, sa_sk, sb_sn, sb_sk, b_rows,
-               HAS_BIAS=b32 is not None, SEGMENTED=seg is not None,
-               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    with _launching():
+        k._mm_kernel[grid](ad, bd, sa, sb, b32 if b32 is not None else out, out, M, N, K,
+                   ad.stride(0), bd.stride(0), out.stride(0), sa_sm, sa_sk, sb_sn, sb_sk, b_rows,
+                   HAS_BIAS=b32 is not None, SEGMENTED=seg is not None,
+                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.to(out_dtype)
 
 
@@ -322,6 +339,12 @@ class TritonBackend(Backend):
         if scale is not None:
             raise ValueError(f"backend {self.name!r}: the triton quantize kernel computes dynamic scales only")
         return triton_quantize(x, scheme)
+
+    @property
+    def non_finite(self) -> NonFinite:
+        """The spec's answers, except NaN codes under the interpreter: it decodes E4M3FN's 0x7F and
+        0xFF as numbers, so ``scaled_mm`` scans the codes there and raises."""
+        return NonFinite(codes=RAISE) if interpreting() else NonFinite()
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -7,15 +7,18 @@ Read from ``flax/linen/fp8_ops.py`` (flax 0.12.7):
   amax *history* (delayed scaling), then records ``max(|x|)`` (fp32) in the history;
 * ``compute_scale(amax, scale, fp8_max)``: ``1 / (fp8_max / amax)`` in fp32 -- two roundings, within
   one ulp of ``amax / fp8_max`` -- and the previous scale when amax is 0 or not finite;
-* ``quantize(x, q_dtype, scale, compute_dtype)``: ``x / scale`` in the *compute dtype* (the layer's
-  dtype: ``k.dtype``, bf16 for a bf16 model), clip at the format's max in that dtype, cast.
+* ``quantize(x, q_dtype, scale, compute_dtype)``: ``scale.astype(compute_dtype)``, then ``x / scale``
+  in the *compute dtype* (the layer's dtype: ``k.dtype``, bf16 for a bf16 model), clip at the
+  format's max in that dtype, cast; ``dequantize`` multiplies by the same ``scale.astype(dtype)``.
 
 The adapter runs two steps on the same tensor, the steady state of delayed scaling on a constant
 input (and what current scaling computes): step 1 starts from scale 1 and an empty (zero) history
 and records amax(x); step 2's scale is ``1 / (fp8_max / amax(x))``; ``quantize(x, ..., scale, x.dtype)``
-gives the codes. Conventions filled in: a zero tensor keeps the previous scale, 1 (the spec's
-``zero_scale``), with no amax floor. Not filled in: the division in bf16/fp16 for a bf16/fp16 model
-(two roundings before the FP8 cast).
+gives the codes; the scale reported is the one quantize and dequantize apply, ``s.astype(x.dtype)``
+(flax's own cast, repeated here). Conventions filled in: the scale stored in the model's dtype
+(bf16/fp16), and a zero tensor keeps the previous scale, 1 (the spec's ``zero_scale``), with no amax
+floor. Not filled in: the division in bf16/fp16 for a bf16/fp16 model (two roundings before the FP8
+cast).
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ class FlaxFp8Ops(Peer):
              "codes = cast(clip(x / s)) computed in x's dtype")
     ops = ("quantize",)
 
+    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
+        if scheme.scale_dtype != torch.float32 or scheme.granularity is not Granularity.TENSOR:
+            return scheme
+        # no amax floor (a zero tensor keeps the previous scale); the scale applied in the model's dtype
+        dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+        return scheme.with_(amax_floor=0.0, scale_dtype=dt)
+
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)
         if s.format not in (E4M3FN, E5M2, E4M3FNUZ) or s.qmax != s.format.max:
@@ -53,8 +63,11 @@ class FlaxFp8Ops(Peer):
             return "one scale per tensor (the layer's input or kernel)"
         if s.amax_floor != 0.0:
             return "no amax floor (a zero tensor keeps the previous scale)"
-        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
-            return "plain fp32 scales"
+        want = case.x_dtype if case.x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+        if s.scale_dtype != want:
+            return f"the scale is applied in the model's dtype ({want})"
+        if s.pow2_scale or not s.standard_scale_rule:
+            return "plain scales computed in fp32"
         if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"input dtype {case.x_dtype}"
         return None
@@ -73,7 +86,8 @@ class FlaxFp8Ops(Peer):
         _, history = fp8_ops.update_fp8_meta(xj, q_dtype, one, empty)
         s, _ = fp8_ops.update_fp8_meta(xj, q_dtype, one, history)
         q = fp8_ops.quantize(xj, q_dtype, s, xj.dtype)
-        return self._quantized(from_jax(q, scheme.format.torch_dtype), from_jax(s, torch.float32).reshape(1, 1),
+        applied = s.astype(xj.dtype)  # what quantize divides by and dequantize multiplies by
+        return self._quantized(from_jax(q, scheme.format.torch_dtype), from_jax(applied, x.dtype).reshape(1, 1),
                                scheme)
 
 

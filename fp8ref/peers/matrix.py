@@ -19,7 +19,8 @@ Everything below runs on a CPU with torch held at `constraints.txt` (a CPU build
 
 ```
 pip install -c constraints.txt -e ".[peers]"     # onnxruntime, onnx, torchao, compressed-tensors,
-                                                 # jax[cpu], optimum-quanto, nvidia-modelopt, triton
+                                                 # jax[cpu], optimum-quanto, nvidia-modelopt, triton,
+                                                 # flax, tinygrad
 pip install -c constraints.txt --no-deps "sglang==0.5.23" "vllm==0.33.0"
 pip install -c constraints.txt orjson pyzmq pybase64 starlette msgspec IPython aiohttp \\
     pydantic pillow regex requests packaging tqdm transformers
@@ -27,13 +28,25 @@ pip install -c constraints.txt orjson pyzmq pybase64 starlette msgspec IPython a
 
 SGLang and vLLM declare a CUDA torch and ~50 serving packages each; `--no-deps` plus the small
 packages on the last line (the minimal set their FP8 kernel modules import, found by importing them
-in a fresh virtual environment) is enough. jax 0.10.2 is the newest release for Python 3.11. Peers
-whose package is missing are listed as *not run here* with the exact missing piece.
+in a fresh virtual environment) is enough for their Triton kernels. The online weight-quantization
+rows (`sglang-online-*`, `vllm-online-*`, `vllm-quantfp8-native`) import SGLang's and vLLM's model
+and config packages, which reach much more: they ran in a separate environment where
+`pip install -c constraints.txt vllm` (the resolver, holding torch, picks vllm 0.32.0 and its
+dependencies), then `pip install --no-deps sglang==0.5.23 vllm==0.33.0`, then `pip uninstall
+torchvision torchaudio torchcodec flashinfer-python` (built for another torch, or CUDA-only: their
+imports fail or crash on a CPU). SGLang's configs import torchvision at module level; where it does
+not import, the adapter puts in a stand-in that refuses every call (`fp8ref/peers/sglang.py`).
+tinygrad runs on its `PYTHON` device (its `CPU` device needs clang). jax 0.10.2 is the newest
+release for Python 3.11. Peers whose package is missing are listed as *not run here* with the exact
+missing piece.
 
-Regenerate this page with `fp8ref certify` (about 30 minutes on 2 cores: the Triton kernels run in
-the interpreter); `fp8ref certify --peer NAME --only CONTRACT` reproduces one result;
-`tests/test_peers.py` recomputes the onnxruntime and torchao rows in CI and fails when their verdicts
-no longer match this page."""
+Regenerate this page with `fp8ref certify` (about 40 minutes on 2 cores: the Triton kernels run in
+the interpreter, tinygrad in its Python emulator); `fp8ref certify --peer NAME --only CONTRACT`
+reproduces one result; `fp8ref certify --peer NAME --merge docs/certified.md` recomputes one row and
+keeps the others (the page then says which rows were merged, where); `tests/test_peers.py`
+recomputes the onnxruntime, onnx-reference and torchao rows in CI and fails when their verdicts no
+longer match this page."""
+
 _FAILING = (FAIL, ERROR, XPASS)
 #: Contracts that did not run for the peer: an op it does not declare, an info contract with no example.
 _NOT_RUN = (NA, NOT_CLAIMED)
@@ -202,9 +215,15 @@ def merge(text: str, certs: Sequence[Certificate], header: dict, order: Sequence
     data.update({c.peer: verdicts(c) for c in certs})
     note = (f"{_MERGED} (profile `{header['profile']}`, seed {header['seed']}) on {header['machine']}; "
             f"{header['versions']}: " + ", ".join(f"`{c.peer}`" for c in certs) + ".")
+    merged = {c.peer for c in certs}
+    # an earlier note whose rows are all recomputed now is superseded
+    pre = [line for line in pre if not (line.startswith(_MERGED)
+                                        and set(re.findall(r"`([^`]+)`", line.rpartition(": ")[2]) or ["?"]) <= merged)]
+    while pre and not pre[-1].strip():
+        pre.pop()
     table = fresh.splitlines()
     head = [table.index(line) for line in table if line.startswith("| implementation |")][0]
-    out = pre + [note, ""] + table[head:head + 2] + [rows[n] for n in names]
+    out = pre + ["", note, ""] + table[head:head + 2] + [rows[n] for n in names]
     out += ["", INSTALL, "", "## Per implementation", ""]
     for n in names:
         if n in secs:

@@ -26,6 +26,14 @@ quantizes ``layer.weight`` [N, K] in plain torch:
 * ``Fp8PerTensorOnlineLinearMethod`` quantizes with ``ops.scaled_fp8_quant``, a CUDA custom op
   (``vllm._C``): not run here.
 
+The activation side of those paths, ``QuantFP8.forward_native``
+(``vllm/model_executor/layers/quantization/input_quant_fp8.py``: the plain-torch implementation vLLM
+runs where its CUDA op is absent and under ``torch.compile``): dynamic per-token or per-tensor
+``s = max(amax.float() / 448, 1 / (448 * 512))``, codes ``cast(clamp(x.float() * s.reciprocal()))``
+(two roundings); per 1 x G group ``x / s`` (one rounding), optionally ``s = 2**ceil(log2 s)``
+(``use_ue8m0``). Its constructor (a ``CustomOp``) needs a ``VllmConfig``: the adapter makes the
+module without it and sets the attributes the constructor sets from its arguments.
+
 The methods' constructors and ``create_weights`` read the current ``VllmConfig`` and pick a GEMM
 kernel for the device, neither of which exists on a CPU (``VllmConfig()`` raises "Failed to infer
 device type"); the adapter makes the method object without its constructor, sets the attributes
@@ -59,6 +67,7 @@ __all__ = ["PEERS"]
 _FP8_UTILS = "vllm.model_executor.layers.quantization.utils.fp8_utils"
 _CT_MM = "vllm.model_executor.layers.quantization.compressed_tensors.triton_scaled_mm"
 _ONLINE = "vllm.model_executor.layers.quantization.online.fp8"
+_QUANT_FP8 = "vllm.model_executor.layers.quantization.input_quant_fp8"
 
 
 class _VLLM:
@@ -238,5 +247,60 @@ class VLLMOnlineBlock(_VLLMOnline):
         return self._quantized(layer.weight.data, layer.weight_scale_inv.data, scheme)
 
 
+class VLLMQuantFP8Native(_VLLM, Peer):
+    name = "vllm-quantfp8-native"
+    entry = f"{_QUANT_FP8}.QuantFP8.forward_native (dynamic; per token, per tensor or 1 x G groups)"
+    modules = (_QUANT_FP8,)
+    notes = ("s = max(amax/448, 1/(448*512)) fp32 [groups, ue8m0: 2**ceil(log2 s)]; codes = cast(clamp(x.float() * "
+             "(1/s))) per token/tensor, cast(clamp(x / s)) per group")
+    ops = ("quantize",)
+    eps = 1.0 / 512
+
+    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
+        # the floor is fixed in the source (_FP8_MIN_SCALING_FACTOR); any positive floor maps to it
+        return scheme.with_(amax_floor=self.eps) if scheme.amax_floor > 0 else scheme
+
+    def supports(self, case: Case) -> str | None:
+        s = self._case_scheme(case)
+        if s.format != E4M3FN or s.qmax != E4M3FN.max:
+            return "e4m3fn clamped at 448 only (current_platform.fp8_dtype() off ROCm)"
+        if not s.dynamic:
+            return "dynamic scales (a static scale is the caller's)"
+        if s.granularity not in (Granularity.TENSOR, Granularity.ROW, Granularity.GROUP):
+            return f"per token, per tensor or 1 x G groups, not {s.granularity.value}"
+        if s.amax_floor != self.eps:
+            return f"the source's floor is amax >= {self.eps:g}"
+        if s.scale_dtype != torch.float32 or not s.standard_scale_rule:
+            return "plain fp32 scales"
+        if s.pow2_scale and s.granularity is not Granularity.GROUP:
+            return "ue8m0 scales on the group path only"
+        if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"input dtype {case.x_dtype}"
+        return None
+
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+        from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+        if scale is not None:
+            raise ValueError(f"{self.name}: dynamic scales only")
+        g = scheme.granularity
+        shape = {Granularity.TENSOR: GroupShape.PER_TENSOR, Granularity.ROW: GroupShape.PER_TOKEN}.get(g)
+        if shape is None:
+            shape = GroupShape(1, scheme.group_size)
+        op = QuantFP8.__new__(QuantFP8)  # a CustomOp: its constructor needs a VllmConfig (none on a CPU)
+        torch.nn.Module.__init__(op)
+        # what QuantFP8.__init__ sets from (static=False, group_shape, use_ue8m0)
+        op.static, op.group_shape, op.num_token_padding = False, shape, None
+        op.column_major_scales = op.tma_aligned_scales = False
+        op.use_ue8m0 = scheme.pow2_scale
+        op.use_per_token_if_dynamic = shape == GroupShape.PER_TOKEN
+        op.is_group_quant = shape.is_per_group()
+        if op.is_group_quant:
+            op.group_size = shape.col
+        q, s = op.forward_native(x.contiguous())
+        return self._quantized(q, s, scheme)
+
+
 PEERS = (VLLMGroupQuant(), VLLMGroupQuantColMajor(), VLLMBlockGemm(), VLLMScaledMM(), VLLMOnlinePtpc(),
-         VLLMOnlineBlock())
+         VLLMOnlineBlock(), VLLMQuantFP8Native())

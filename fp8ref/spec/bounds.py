@@ -9,6 +9,11 @@ is infinite (vacuous), never silently wrong.
 
 Nothing here uses a hand-picked tolerance: each constant is a unit roundoff of a format or a
 count of roundings.
+
+Why this module is long: it is the one home of every tolerance rule (docs/spec.md §5), so that a
+checker, the selector and the audits cannot disagree; each bound carries its derivation in its
+Notes, and the GEMM, quantization and end-to-end bounds share the pipeline-error core
+(``_pipeline_error``) that would otherwise be repeated across modules.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ __all__ = [
     "unit_roundoff",
     "quantization_error_bound",
     "scale_error_bound",
+    "scale_interval",
+    "conforming_quantization_error_bound",
     "reference_gemm_error_bound",
     "gemm_error_bound",
     "linear_error_bound",
@@ -232,6 +239,66 @@ def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     return s * half_ulp + gamma(d, U_FP32) * ax + torch.clamp(ax - qmax * s, min=0)
 
 
+def scale_interval(ref: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s_lo, s_hi)``: the stored scales a conforming quantizer may return where the spec stores ``ref.scale``.
+
+    ``ref`` is the spec's own quantization (``fp8ref.quantize``) of the input, under the scheme the
+    backend declares (a legitimate convention of docs/spec.md §3.1 is a field of that scheme, so the
+    interval follows the convention, computed by the spec). Both are float64 tensors of
+    ``ref.scale``'s shape.
+
+    Notes
+    -----
+    The interval ``scale_error_bound`` admits around the spec's s, kept positive::
+
+        s_lo = max(s - scale_error_bound(s), eta_sd),   s_hi = s + scale_error_bound(s)
+
+    (eta_sd the smallest subnormal of ``scale_dtype``; s_lo = s_hi = s for static and power-of-two
+    schemes). Every bound that must hold for a backend's own quantization is computed over this
+    interval, never from the scale the backend returns.
+    """
+    s = ref.scale.to(torch.float64)
+    tol = scale_error_bound(ref.scale, ref.scheme)
+    return torch.clamp(s - tol, min=_eta(ref.scheme.scale_dtype)), s + tol
+
+
+def conforming_quantization_error_bound(x: torch.Tensor, ref: Quantized) -> torch.Tensor:
+    """Elementwise bound on |dequantize(q) - x| for *every* q a conforming quantizer may return.
+
+    ``ref`` is the spec's quantization of ``x`` (``fp8ref.quantize(x, scheme[, scale])``). The
+    bound depends on ``x`` and the spec's scales only, so a backend's result is judged against a
+    number it cannot influence: a quantizer whose scale is too small clips, and the clipping is
+    measured against the spec's scale, not against its own.
+
+    Notes
+    -----
+    A conforming q has a stored scale s' in [s_lo, s_hi] (``scale_interval``) and codes
+    RNE(clamp(v')) with v' = fl32(x / s') evaluated with d roundings (d = 2; 3 for float64 input),
+    so |v'| <= V := |x| / s_lo (1 + gamma_d(u32)). Then (ulp is non-decreasing in |v|)::
+
+        |q s' - x| <= s_hi ulp(min(V, qmax)) / 2  +  gamma_d(u32) |x|  +  max(|x| - qmax s_lo, 0)
+
+    (unclamped: |q - v'| <= ulp(v')/2 and |v' s' - x| <= gamma_d |x|; clamped with |x| / s' >= qmax:
+    the error is |x| - qmax s' <= |x| - qmax s_lo; clamped with |x| / s' < qmax < |v'|: the error
+    is at most s' |v' - x / s'|). Where s_lo = s_hi = s (static and power-of-two schemes) this is
+    ``quantization_error_bound(x, ref)``. An fp32 quotient that underflows (|x / s'| < 2**-126)
+    needs no absolute term: q is then 0 and |x| < s' 2**-126 is far below the first term.
+    """
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return conforming_quantization_error_bound(x, ref)
+    lo, hi = scale_interval(ref)
+    if torch.equal(lo, hi):
+        return quantization_error_bound(x, ref)
+    rows, cols = x.shape
+    fmt, qmax, scheme = ref.scheme.format, ref.scheme.qmax, ref.scheme
+    s_lo, s_hi = expand_scale(lo, scheme, rows, cols), expand_scale(hi, scheme, rows, cols)
+    ax = x.to(torch.float64).abs()
+    g = gamma(3 if x.dtype == torch.float64 else 2, U_FP32)
+    v_max = ax / s_lo * (1 + g)
+    return s_hi * fmt.ulp(torch.clamp(v_max, max=qmax)) / 2 + g * ax + torch.clamp(ax - qmax * s_lo, min=0)
+
+
 def _mass(a: Quantized, b: Quantized) -> tuple[torch.Tensor, int]:
     """P[m, n] >= sum_g |sa sb| sum_{k in g} |a_k b_k|, and the reference's inexact-addition count.
 
@@ -308,6 +375,20 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
       additions, one rounding per product, one bias addition) adds gamma_{K+1}(u32) (P + D + |bias|):
       E = D + gamma_{K+1}(u32) (P + D + |bias|).
 
+    Underflow (every accumulation but exact): an fp32 multiplication whose result is below fp32's
+    smallest normal errs by up to eta_32/2 absolutely, beyond its relative error (additions are
+    exact when their result is subnormal). Each term a_k b_k sa sb meets at most 3 multiplications,
+    and an error made at one is afterwards multiplied only by factors of the same term (or by a
+    segment's scales after a segment sum S, whose non-zero values are at least min|a| min|b|), so
+    with W = sum_g max(1, sa) max(1, sb) sum_{k in g} max(1, |a_k|) max(1, |b_k|) the term
+    (eta_32/2)(3 W + 2 nseg)(1 + g)(1 + gamma_{nseg+3}(u32)) is added to E (g the pipeline's
+    relative factor: gamma_{K+3}, g_acc(L) or gamma_{K+1}). It is 0 when no product of the
+    non-zero codes' and the scales' least values falls below 2**-126 (``_underflow_possible``):
+    then no product is subnormal, as on every input whose scales are not tiny. A limited
+    accumulator is assumed to have fp32's exponent range (fast, bf16) or to be kept in range by
+    its kernel (fp16). Exact accumulation (float64) cannot underflow: the smallest non-zero
+    product of two fp32 scales and two FP8 codes is above 2**-330, far above 2**-1022.
+
     A second rounding to the output dtype (``output_roundings=2``: the accumulator or the
     pre-bias value rounded to ``out_dtype`` first) adds u_o (1 + g) P + (eta_o/2)(1 + sum_g |sa sb|)
     (u_o (P + D) for dequantize-then-GEMM).
@@ -333,9 +414,42 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     elif y_ref.dtype != torch.float64 or tuple(y_ref.shape) != tuple(mass.shape):
         raise ValueError(f"y_ref must be the reference's float64 [M, N] result, got {y_ref.dtype} "
                          f"{tuple(y_ref.shape)}")
+
+    def scale_mass() -> torch.Tensor:  # only for two output roundings
+        return sum((torch.outer(scale_column(a, k0), scale_column(b, k0)).abs() for k0, _ in segs),
+                   torch.zeros((), dtype=torch.float64, device=mass.device))
+
+    pre = _pipeline_error(_Pipeline(mass, abias, K, nseg, L), accumulation, out_dtype, output_roundings,
+                          row_masses=lambda: (_row_mass(a)[:, None], _row_mass(b)[None, :]),
+                          scale_mass=scale_mass, underflow_mass=lambda: _underflow_mass(a, b, segs))
+    y_abs = y_ref.abs() + e_ref
+    return pre + u_o * (y_abs + pre) + eta_o / 2 + e_ref
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """What the GEMM error of a backend needs of its operands: P = sum_g |sa sb| sum |a b| (an upper
+    bound), |bias|, K, the number of K-segments and the longest one."""
+
+    mass: torch.Tensor
+    abias: torch.Tensor
+    K: int
+    nseg: int
+    L: int
+
+
+def _pipeline_error(p: _Pipeline, accumulation: Accumulation, out_dtype: torch.dtype, output_roundings: int, *,
+                    row_masses, scale_mass, underflow_mass) -> torch.Tensor:
+    """E (plus the second output rounding when declared) of ``gemm_error_bound``'s Notes: a bound on
+    |z - y*| for the value z a backend holds before its final rounding. ``row_masses()`` gives
+    (R_a[:, None], R_b[None, :]) (dequantize-then-GEMM only), ``scale_mass()`` sum_g |sa sb| (two
+    roundings only), ``underflow_mass()`` W or None when no fp32 product can underflow."""
+    u_o, eta_o = unit_roundoff(out_dtype), _eta(out_dtype)
+    mass, abias, K, nseg, L = p.mass, p.abias, p.K, p.nseg, p.L
     u_acc = accumulation.unit_roundoff
     if accumulation.operand_dtype is not None:
-        pre = _operand_rounding_error(a, b, accumulation.operand_dtype, mass, abias)
+        g = gamma(K + 1, U_FP32)
+        pre = _operand_rounding_error(accumulation.operand_dtype, K, mass, abias, *row_masses())
         inter = mass + pre  # bounds |z| before the bias: the rounded products' sum
     else:
         if u_acc == 0:
@@ -348,14 +462,43 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
             g = accumulation.error_factor(L)
             pre = g * mass + gamma(nseg + 3, U_FP32) * ((1 + g) * mass + abias)
         inter = (1 + g) * mass
+    if u_acc != 0:
+        w = underflow_mass()
+        if w is not None:
+            pre = pre + (_eta(torch.float32) / 2) * (3 * w + 2 * nseg) * (1 + g) * (1 + gamma(nseg + 3, U_FP32))
     if output_roundings == 2:
-        scale_mass = sum(
-            (torch.outer(scale_column(a, k0), scale_column(b, k0)).abs() for k0, _ in segs),
-            torch.zeros((), dtype=torch.float64, device=mass.device),
-        )
-        pre = pre + u_o * inter + (eta_o / 2) * (1 + scale_mass)
-    y_abs = y_ref.abs() + e_ref
-    return pre + u_o * (y_abs + pre) + eta_o / 2 + e_ref
+        pre = pre + u_o * inter + (eta_o / 2) * (1 + scale_mass())
+    return pre
+
+
+#: fp32's smallest normal: a product of fp32 numbers at least this large is never subnormal.
+_TINY32 = float(torch.finfo(torch.float32).smallest_normal)
+
+
+def _underflow_possible(min_a: float, min_b: float, min_sa: float, min_sb: float) -> bool:
+    """Whether some product of a subset of {|a_k|, |b_k|, sa, sb} (non-zero codes) can fall below
+    fp32's smallest normal: the smallest such product is that of every factor below 1 at its least."""
+    return min(min_a, 1.0) * min(min_b, 1.0) * min(min_sa, 1.0) * min(min_sb, 1.0) < _TINY32
+
+
+def _min_nonzero(t: torch.Tensor) -> float:
+    a = t.to(torch.float64).abs()
+    a = a[a > 0]
+    return float(a.min()) if a.numel() else math.inf
+
+
+def _underflow_mass(a: Quantized, b: Quantized, segs: list[tuple[int, int]]) -> torch.Tensor | None:
+    """W[m, n] = sum_g max(1, sa) max(1, sb) sum_{k in g} max(1, |a_k|) max(1, |b_k|), or None when
+    no fp32 product of the operands' codes and scales can underflow (``_underflow_possible``)."""
+    if not _underflow_possible(_min_nonzero(a.data.float()), _min_nonzero(b.data.float()),
+                               _min_nonzero(a.scale), _min_nonzero(b.scale)):
+        return None
+    A = torch.clamp(a.data.to(torch.float64).abs(), min=1)
+    B = torch.clamp(b.data.to(torch.float64).abs(), min=1)
+    w = sum((torch.outer(torch.clamp(scale_column(a, k0), min=1), torch.clamp(scale_column(b, k0), min=1))
+             * (A[:, k0:k1] @ B[:, k0:k1].T) for k0, k1 in segs),
+            torch.zeros((), dtype=torch.float64))
+    return w * (1 + gamma(a.data.shape[1] + 2, U_FP64))
 
 
 def _row_mass(q: Quantized) -> torch.Tensor:
@@ -366,13 +509,13 @@ def _row_mass(q: Quantized) -> torch.Tensor:
     return (q.data.to(torch.float64).abs() * s.abs()).sum(dim=1) * (1 + gamma(cols + 1, U_FP64))
 
 
-def _operand_rounding_error(a: Quantized, b: Quantized, dtype: torch.dtype, mass: torch.Tensor,
-                            abias: torch.Tensor) -> torch.Tensor:
-    """E of a dequantize-then-GEMM with operands rounded to ``dtype`` (see ``gemm_error_bound``)."""
-    K = a.data.shape[1]
+def _operand_rounding_error(dtype: torch.dtype, K: int, mass: torch.Tensor, abias: torch.Tensor,
+                            rows_a: torch.Tensor, rows_b: torch.Tensor) -> torch.Tensor:
+    """E of a dequantize-then-GEMM with operands rounded to ``dtype`` (see ``gemm_error_bound``);
+    ``rows_a`` [M, 1] and ``rows_b`` [1, N] bound R_a and R_b."""
     v = (1 + U_FP32) * (1 + unit_roundoff(dtype)) - 1
     eta = _eta(dtype)
-    d = ((1 + v) ** 2 - 1) * mass + eta * (1 + v) * (_row_mass(a)[:, None] + _row_mass(b)[None, :]) + K * eta**2
+    d = ((1 + v) ** 2 - 1) * mass + eta * (1 + v) * (rows_a + rows_b) + K * eta**2
     return d + gamma(K + 1, U_FP32) * (mass + d + abias)
 
 
@@ -380,32 +523,76 @@ def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quan
                        bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16,
                        accumulation: Accumulation = Accumulation.EXACT,
                        output_roundings: int = 1) -> torch.Tensor:
-    """End-to-end bound on |y_hat - y_true|: the quantized linear against the unquantized one.
+    """End-to-end bound on |y_hat - y_true|: a quantized linear against the unquantized one.
 
-    ``y_true = x.double() @ w.double().T + bias`` (float64), ``qx``/``qw`` the quantized
-    activations and weights the backend used, ``y_hat`` its output.
+    ``y_true = x.double() @ w.double().T + bias`` (float64) and ``y_hat`` the backend's output.
+    ``qx``/``qw`` are the **spec's** quantizations of ``x`` and ``w`` (``fp8ref.quantize`` under
+    the schemes the backend declares). The bound holds for a backend that quantized ``x`` and
+    ``w`` in *any* conforming way (scales within ``scale_interval``, codes RNE(clamp(x / s))) and
+    computed its GEMM as declared, so it never reads a number the backend returns: a fused kernel
+    whose scale clips values the spec's scale would not clip exceeds it.
 
     Notes
     -----
-    With e_x = deq(qx) - x, e_w = deq(qw) - w, |e_x| <= Q_x and |e_w| <= Q_w elementwise
-    (``quantization_error_bound``), the exact quantized linear y_q* satisfies::
+    With e_x = deq(qx') - x, e_w = deq(qw') - w for the backend's (unseen) quantizations, |e_x| <= Q_x
+    and |e_w| <= Q_w elementwise (``conforming_quantization_error_bound``), the exact product of the
+    backend's operands y_q* satisfies::
 
         |y_q* - y_exact| = |sum_k (x+e_x)(w+e_w) - x w| <= Q_x |w|^T + |x| Q_w^T + Q_x Q_w^T
 
-    (three non-negative float64 GEMMs, inflated by 1 + gamma_{K}(u64) to cover their own
-    rounding). The float64 y_true is off y_exact by at most gamma_K(u64) |x| |w|^T (products of
-    <= 24-bit significands are exact in float64). Adding the backend's ``gemm_error_bound`` and
-    the reference's ``reference_gemm_error_bound`` gives the bound.
+    (three non-negative float64 GEMMs, inflated by 1 + gamma_K(u64) to cover their own rounding).
+    The float64 y_true is off y_exact by at most gamma_K(u64) |x| |w|^T (products of <= 24-bit
+    significands are exact in float64). The backend's GEMM error on its own operands is
+    ``gemm_error_bound``'s E with P <= (|x| + Q_x)(|w| + Q_w)^T (inflated by 1 + gamma_{K+2}(u64)),
+    R_a <= sum_k (|x| + Q_x), scale products at most s_hi_x s_hi_w, codes at most
+    (|x| + Q_x) / s_lo, and |y_q*| <= |y_true| + the two terms above in its final rounding.
     """
     if flushing():  # the spec computes with subnormals kept (fenv.py)
         with ieee_subnormals():
             return linear_error_bound(x, w, qx, qw, bias, out_dtype=out_dtype, accumulation=accumulation,
                                       output_roundings=output_roundings)
+    if output_roundings not in (1, 2):
+        raise ValueError(f"output_roundings must be 1 or 2, got {output_roundings}")
     K = x.shape[1]
     ax, aw = x.to(torch.float64).abs(), w.to(torch.float64).abs()
-    qxb, qwb = quantization_error_bound(x, qx), quantization_error_bound(w, qw)
+    qxb, qwb = conforming_quantization_error_bound(x, qx), conforming_quantization_error_bound(w, qw)
     prop = (qxb @ aw.T + ax @ qwb.T + qxb @ qwb.T) * (1 + gamma(K, U_FP64))
     true_err = gamma(K, U_FP64) * (ax @ aw.T)
-    gemm = gemm_error_bound(qx, qw, bias, out_dtype=out_dtype, accumulation=accumulation,
-                            output_roundings=output_roundings)
-    return prop + true_err + gemm + reference_gemm_error_bound(qx, qw, bias)
+    y_true = x.to(torch.float64) @ w.to(torch.float64).T
+    abias = _abs_bias(bias, y_true)
+    if bias is not None:
+        y_true = y_true + bias.to(torch.float64)
+    bx, bw = ax + qxb, aw + qwb  # |deq(q')| of any conforming quantization
+    mass = (bx @ bw.T) * (1 + gamma(K + 2, U_FP64))
+    segs = k_segments(qx, qw)
+    (lo_x, hi_x), (lo_w, hi_w) = scale_interval(qx), scale_interval(qw)
+
+    def scale_mass() -> torch.Tensor:
+        return sum((torch.outer(_scale_col(hi_x, qx, k0), _scale_col(hi_w, qw, k0)) for k0, _ in segs),
+                   torch.zeros((), dtype=torch.float64))
+
+    def underflow_mass() -> torch.Tensor | None:
+        tiny_x, tiny_w = (float(q.scheme.format.ulp(torch.zeros(1))) for q in (qx, qw))
+        if not _underflow_possible(tiny_x, tiny_w, float(lo_x.min()), float(lo_w.min())):
+            return None
+        rows, cols = x.shape
+        cx = torch.clamp(bx / expand_scale(lo_x, qx.scheme, rows, cols), min=1) * torch.clamp(
+            expand_scale(hi_x, qx.scheme, rows, cols), min=1)
+        cw = torch.clamp(bw / expand_scale(lo_w, qw.scheme, *w.shape), min=1) * torch.clamp(
+            expand_scale(hi_w, qw.scheme, *w.shape), min=1)
+        return (cx @ cw.T) * (1 + gamma(K + 2, U_FP64))
+
+    g_rows = 1 + gamma(K + 1, U_FP64)
+    pre = _pipeline_error(_Pipeline(mass, abias, K, len(segs), max(k1 - k0 for k0, k1 in segs)), accumulation,
+                          out_dtype, output_roundings,
+                          row_masses=lambda: (bx.sum(1)[:, None] * g_rows, bw.sum(1)[None, :] * g_rows),
+                          scale_mass=scale_mass, underflow_mass=underflow_mass)
+    y_abs = y_true.abs() + prop + true_err
+    return prop + true_err + pre + unit_roundoff(out_dtype) * (y_abs + pre) + _eta(out_dtype) / 2
+
+
+def _scale_col(s: torch.Tensor, q: Quantized, k: int) -> torch.Tensor:
+    """``scale_column`` of a float64 scale tensor ``s`` laid out as ``q.scale``."""
+    rows, cols = q.data.shape
+    r, c = q.scheme.block_shape(rows, cols)
+    return s[:, k // c].repeat_interleave(r)[:rows]

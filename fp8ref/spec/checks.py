@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .dense import check_dense
 from .formats import get_format
 from .gemm import OUT_DTYPES
 from .quant import Quantized, check_float_input
@@ -34,38 +35,10 @@ X_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: What a non-finite bias does (the tail of its error message).
 BIAS_NON_FINITE = "those output columns would be NaN/Inf"
 
-_META = "fp8ref computes on values (the scales depend on them), so there is no shape-only (meta) run"
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
-
-
-def check_dense(t: torch.Tensor, what: str) -> None:
-    """Raise naming ``what`` unless ``t`` is a dense (strided, not nested) tensor holding values
-    (not on the meta device).
-
-    Sparse (COO, CSR, ...), mkldnn and nested tensors reach torch kernels that do not exist for
-    them (``aten::amax`` on SparseCPU) or answer shapes wrongly; a meta tensor has no values to
-    scale. Three attribute reads: cheap enough for every call.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from fp8ref.spec.checks import check_dense
-    >>> check_dense(torch.eye(3).to_sparse(), "x")
-    Traceback (most recent call last):
-    ...
-    TypeError: x is a torch.sparse_coo tensor: fp8ref takes dense (torch.strided) tensors; convert it with .to_dense()
-    """
-    if t.is_nested:
-        raise TypeError(f"{what} is a nested tensor: fp8ref takes dense (torch.strided) tensors; pad it "
-                        "(torch.nested.to_padded_tensor) or pass its components one by one")
-    if t.layout is not torch.strided:
-        raise TypeError(f"{what} is a {t.layout} tensor: fp8ref takes dense (torch.strided) tensors; convert it "
-                        "with .to_dense()")
-    if t.device.type == "meta":
-        raise ValueError(f"{what} is on the meta device, which holds no values: {_META}")
 
 
 def check_x(x) -> None:

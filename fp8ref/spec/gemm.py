@@ -97,6 +97,8 @@ def check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dt
         raise TypeError("scaled_mm takes two fp8ref.Quantized operands: a [M, K] activations, b [N, K] weights")
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"K mismatch: a is {tuple(a.data.shape)} [M, K] but b is {tuple(b.data.shape)} [N, K]")
+    if a.data.shape[1] == 0:  # as the quantizer says: K = 0 is the caller's error, not an empty sum
+        raise ValueError("a and b have 0 columns: the reduction dim K must be at least 1")
     if a.data.device != b.data.device:
         raise ValueError(f"a is on {a.data.device} but b is on {b.data.device}")
     if out_dtype not in OUT_DTYPES:

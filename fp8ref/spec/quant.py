@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dense import check_dense
 from .fenv import flushing, ieee_subnormals
 from .formats import Fp8Format
 from .schemes import Granularity, QuantScheme
@@ -87,9 +88,10 @@ class Quantized:
 
 
 def check_float_input(x: torch.Tensor, what: str = "x") -> None:
-    """Raise TypeError/ValueError unless ``x`` is a 2-D float tensor with finite values."""
+    """Raise TypeError/ValueError unless ``x`` is a dense 2-D float tensor with finite values."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, what)
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{what} must have a float dtype {[str(d) for d in _FLOAT_INPUTS]}, got {x.dtype}")
     if x.dim() != 2:
@@ -211,7 +213,9 @@ def _static_scale(scale, scheme: QuantScheme, rows: int, cols: int, device) -> t
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise ValueError("static scale must be finite and > 0 everywhere "
                          f"(min {float(s.min()) if s.numel() else 'n/a'})")
-    stored = s.to(scheme.scale_dtype)
+    # A copy even when the dtype matches: the Quantized must not alias the caller's scale, which a
+    # calibration loop may update in place after the codes were computed with it.
+    stored = s.to(scheme.scale_dtype, copy=True)
     if not torch.equal(stored.to(torch.float64), s.to(torch.float64)):
         raise ValueError(f"static scale is not exactly representable in scale_dtype {scheme.scale_dtype}")
     return stored

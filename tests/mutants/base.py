@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from fp8ref.registry import Backend
+from fp8ref.registry import PROPAGATE, Backend, NonFinite
 from fp8ref.spec import gemm, quant
 from fp8ref.spec.bounds import Accumulation
 from fp8ref.spec.quant import Quantized
@@ -42,6 +42,8 @@ def fp32_mm(a: Quantized, b: Quantized, bias, out_dtype, seg_sum=None, scale=Non
     """The correct fp32 pipeline, with hooks for the mutants: ``seg_sum(A, B) -> S`` and
     ``scale(S, sa, sb) -> scaled S``."""
     M, N = a.data.shape[0], b.data.shape[0]
+    if a.data.shape[1] == 0:  # the spec's argument check (docs/spec.md: K = 0 is the caller's error)
+        raise ValueError("a and b have 0 columns: the reduction dim K must be at least 1")
     y = torch.zeros(M, N, dtype=torch.float32)
     for A, B, sa, sb in segment_terms(a, b):
         S = A @ B.T if seg_sum is None else seg_sum(A, B)
@@ -118,6 +120,8 @@ class Fp32Base(Backend):
     #: The ops a correct variant changes, which the self-test certifies it for (a variant that keeps
     #: the base's quantizer says ``GEMM_OPS``; the base is certified for everything).
     changes: tuple[str, ...] = ("quantize", "scaled_mm", "linear")
+    #: The spec's answers, except the bias: the fp32 epilogue adds it as it is (NaN/Inf propagate).
+    non_finite = NonFinite(bias=PROPAGATE)
 
     def quantize(self, x, scheme, scale=None):
         return reference_quantize(x, scheme, scale)

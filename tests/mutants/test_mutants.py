@@ -8,7 +8,14 @@ and are checked for every op. A correct variant runs every contract of the ops i
 (``changes``): the variants of the GEMM keep the base's reference quantizer, which the base's own
 runs certify, so they are certified for scaled_mm and linear.
 
-The second half holds the accumulation classes to their bounds: on the sweep's swamped dot
+The calling contract's catalogue (``calling.py``: views, writes into arguments, shared outputs, stale
+prepared weights, shared scratch between threads, non-finite values, degenerate and large shapes)
+is held to the contracts of its dimension: each mutant must be rejected by the contracts of its
+class's dimension alone (``CALLING_CLASSES``), on 3 seeds; each correct variant passes every calling
+contract. Their values are the base's on finite, contiguous operands (which the base's own runs
+certify), so the value contracts are not run again for them.
+
+The last part holds the accumulation classes to their bounds: on the sweep's swamped dot
 products, a correct implementation of each class reaches at least half of its bound, and an
 implementation of the next weaker class is outside it.
 """
@@ -16,10 +23,11 @@ implementation of the next weaker class is outside it.
 import pytest
 
 from fp8ref.conformance import check, get_profile
+from fp8ref.conformance.contracts import CALLING_CONTRACT_NAMES, CALLING_DIMENSIONS
 from fp8ref.spec.bounds import Accumulation
 
 from .base import CLASSES
-from .catalogue import CORRECT, MUTANTS
+from .catalogue import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS, CORRECT, MUTANTS
 from .ladder import LADDER, swamp_ratio
 
 PROFILE = get_profile("ci").with_(shrink=False)
@@ -52,6 +60,36 @@ def test_suite_rejects_mutant(cls):
 @pytest.mark.parametrize("cls", CORRECT, ids=lambda c: c.name)
 def test_suite_accepts_correct_variant(cls, seed):
     report = check(cls(), PROFILE, seed=seed, ops=cls.changes)
+    assert report.passed, report.to_text()
+
+
+# --------------------------------------------------------------------------------------------
+# the calling contract
+
+
+def test_calling_catalogue():
+    assert set(CALLING_CLASSES.values()) == set(CALLING_DIMENSIONS)
+    assert {m.klass for m in CALLING_MUTANTS} == set(CALLING_CLASSES)  # a mutant per dimension
+    assert all(m.upstream for m in CALLING_MUTANTS)
+    assert len({m.name for m in CALLING_MUTANTS + CALLING_CORRECT + MUTANTS + CORRECT}) == len(
+        CALLING_MUTANTS + CALLING_CORRECT + MUTANTS + CORRECT)
+
+
+@pytest.mark.parametrize("cls", CALLING_MUTANTS, ids=lambda c: c.name)
+def test_calling_contract_rejects_mutant(cls):
+    dim = CALLING_CLASSES[cls.klass]
+    names = [n for n in CALLING_CONTRACT_NAMES if n.split(".", 1)[1] == dim]
+    for seed in SEEDS:
+        report = check(cls(), PROFILE, seed=seed, fail_fast=True, contracts=names)
+        assert report.verdict == "fail", f"{cls.name} ({cls.bug}) passed {names} at seed {seed}"
+        first = report.failures[0]
+        assert first.counterexample and first.message
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("cls", CALLING_CORRECT, ids=lambda c: c.name)
+def test_calling_contract_accepts_correct_variant(cls, seed):
+    report = check(cls(), PROFILE, seed=seed, contracts=CALLING_CONTRACT_NAMES, ops=cls.changes)
     assert report.passed, report.to_text()
 
 

@@ -45,11 +45,16 @@ class SequentialFp32(Fp32Base):
 
 class ReciprocalQuantize(Fp32Base):
     name = "correct-reciprocal-quantize"
-    bug = "quantizes with x * (1/s) (two fp32 roundings) instead of x / s, static scales too"
+    bug = ("quantizes with x * (1/s) (two fp32 roundings) instead of x / s, static scales too; divides where 1/s "
+           "overflows (a subnormal scale)")
 
     def quantize(self, x, scheme, scale=None):
         s = quant.quantize(x, scheme, scale).scale if scale is not None else quant.compute_scale(x, scheme)
-        v = x.to(torch.float32) * (1.0 / static_divisor(x, s, scheme))
+        d = static_divisor(x, s, scheme)
+        inv = 1.0 / d
+        # 1/s overflows for subnormal scales (subnormal_scales schemes): the magnitude sweep found that
+        # x * (1/s) is then 0 * inf = NaN, the class of flashinfer#2440, so a conforming kernel divides there.
+        v = torch.where(torch.isfinite(inv), x.to(torch.float32) * inv, x.to(torch.float32) / d)
         return Quantized(quant.round_to_format(v, scheme.format, scheme.qmax), s, scheme)
 
 

@@ -31,6 +31,17 @@ import torch
 
 from .. import strategies as fst
 from ..sweep import with_k
+from .calling import (
+    check_degenerate,
+    check_layout,
+    check_lifetime,
+    check_non_finite,
+    check_size_limits,
+    check_threads,
+    check_untouched,
+    size_problems,
+    size_sweep,
+)
 from .common import Contract, ContractViolation, Declined, backend_threads, poison_allocator, reference_threads
 from .linear import check_linear_bound, check_linear_matches_two_calls
 from .quantize import (
@@ -55,7 +66,8 @@ from .scaled_mm import (
     declared_bits,
 )
 
-__all__ = ["Contract", "ContractViolation", "Declined", "CONTRACTS", "CONTRACT_NAMES", "get_contract",
+__all__ = ["Contract", "ContractViolation", "Declined", "CONTRACTS", "CONTRACT_NAMES", "CALLING_DIMENSIONS",
+           "CALLING_CONTRACT_NAMES", "get_contract",
            "declared_bits", "poison_allocator", "reference_threads", "backend_threads",
            "check_linear_matches_two_calls"]
 
@@ -155,6 +167,55 @@ def _few_rows(problems: list) -> list:
     return [p for p in problems if p.M <= 129]
 
 
+def _thin(problems: list) -> list:
+    """Every sixteenth sweep problem: the calling contracts call the backend several times per
+    problem and judge how it is called, which the sweep's values vary little."""
+    return problems[::16]
+
+
+def _small(strategy):
+    """``strategy`` on shapes of at most 17 x 80 (the calling contracts' search: many calls per
+    problem; the size limits and the degenerate shapes have contracts of their own)."""
+    return lambda prof, scope=None: strategy(prof.with_(max_mn=min(prof.max_mn, 17), max_k=min(prof.max_k, 80),
+                                                        max_elems=min(prof.max_elems, 1360),
+                                                        max_rows=min(prof.max_rows, 17), large_rows=(), long_k=()),
+                                             scope)
+
+
+#: Search examples of each calling contract (after its share of the sweep, every sixteenth problem).
+CALLING_SEARCH = 4
+
+#: The calling contract (docs/spec.md, "The calling contract"): per dimension, its statement and check.
+_CALLING = (
+    ("layout", "every argument as a view (transposed, offset storage, row/column stride 2, stride 0): the "
+     "contiguous call's bits, or within the op's bound, or a ValueError/TypeError refusal", "bit-exact or bound",
+     check_layout),
+    ("untouched", "no call modifies an argument or the prepared weight (bits compared after every call), and "
+     "no output shares storage with them", "bit-exact", check_untouched),
+    ("lifetime", "arguments and the weight object updated in place (copy_, mul_, item assignment, .data =, "
+     "a numpy view) give what a fresh call on the new values gives: no stale internal copy", "bit-exact",
+     check_lifetime),
+    ("threads", f"{4} threads calling at once, each on its own values, get the bits of the same call made alone",
+     "bit-exact", check_threads),
+    ("non_finite", "NaN/Inf in each input: what Backend.non_finite declares (ValueError, or non-finite outputs "
+     "wherever they depend on it); results past the output dtype's range are +-Inf; never a finite stand-in",
+     "declared", check_non_finite),
+    ("degenerate", "M, N, K = 1: within the bound; M or N = 0: an empty result; K = 0: a ValueError (as the "
+     "spec) or the empty sum", "bound / shape", check_degenerate),
+)
+_OP_STRATEGY = {"quantize": _qp(), "scaled_mm": _gp(), "linear": _lp}
+_CALLING_CONTRACTS = tuple(
+    Contract(f"{op}.{dim}", op, "exact" if dim != "degenerate" else "bounded", statement, bound,
+             _small(_OP_STRATEGY[op]), check, (), _thin, secondary=True, search_examples=CALLING_SEARCH)
+    for dim, statement, bound, check in _CALLING for op in ("quantize", "scaled_mm", "linear")
+) + tuple(
+    Contract(f"{op}.size_limits", op, "bounded",
+             "rows (and N) past 65535, K past 2**16 (profile limits: operands past 2**31 elements): within the "
+             "op's bound, or declined in supports", "the op's bound", size_problems(_OP_STRATEGY[op], op),
+             check_size_limits, (), size_sweep(op))
+    for op in ("quantize", "scaled_mm", "linear")
+)
+
 CONTRACTS: tuple[Contract, ...] = (
     # Bounded and exact-value contracts first: with fail_fast, a broken backend is rejected early.
     Contract("scaled_mm.accumulator_bits", _G, "probe",
@@ -162,10 +223,11 @@ CONTRACTS: tuple[Contract, ...] = (
              "accumulator_bits probe", None, check_accumulator_bits),
     Contract("quantize.codes", _Q, "bounded",
              "|codes * scale - x| within the quantization bound, no NaN code, |codes| <= qmax",
-             "quantization_error_bound", _qp(), check_quantize_codes, _Q_EX),
+             "conforming_quantization_error_bound", _qp(), check_quantize_codes, _Q_EX, exhaustive=True),
     Contract("quantize.scale", _Q, "bounded",
              "dynamic scale = max(amax, floor)/qmax within 1 ulp of scale_dtype (pow2 scales: exact); a static "
-             "scheme returns the caller's scale", "1 ulp of scale_dtype", _qp(), check_quantize_scale, _Q_EX),
+             "scheme returns the caller's scale", "scale_interval (1 ulp of scale_dtype)", _qp(), check_quantize_scale,
+             _Q_EX, exhaustive=True),
     Contract("scaled_mm.bound", _G, "bounded",
              "|y - y_ref| within the bound of the declared accumulation and output roundings",
              "gemm_error_bound", _gp(), check_scaled_mm_bound, _G_EX),
@@ -174,7 +236,8 @@ CONTRACTS: tuple[Contract, ...] = (
              "linear_error_bound", _lp, check_linear_bound, _L_EX),
     Contract("linear.matches_two_calls", "linear", "exact",
              "the fused Backend.linear hook returns scaled_mm(quantize(x)) bit for bit",
-             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX, secondary=True),
+             "bit-exact", _lp, check_linear_matches_two_calls, _L_EX, secondary=True,
+             requires=("quantize", "scaled_mm")),
     Contract("quantize.exact_on_pow2_scale", _Q, "exact",
              "where the scale is a power of two (x/s exact), the codes are RNE(clamp(x/s)): ties to even, "
              "subnormals kept, saturation at qmax, never -0 in a format without it", "bit-exact values",
@@ -210,9 +273,12 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract("quantize.bit_exact", _Q, "info",
              "codes and scales are the reference's bits (reported yes/no; the contract is quantize.codes)",
              "bit-exact", _qp(), check_quantize_bit_exact, _Q_EX, secondary=True),
-)
+) + _CALLING_CONTRACTS
 
 CONTRACT_NAMES: tuple[str, ...] = tuple(c.name for c in CONTRACTS)
+#: The dimensions of the calling contract, in table order; each has a contract per op (``<op>.<dimension>``).
+CALLING_DIMENSIONS: tuple[str, ...] = tuple(d for d, *_ in _CALLING) + ("size_limits",)
+CALLING_CONTRACT_NAMES: tuple[str, ...] = tuple(c.name for c in _CALLING_CONTRACTS)
 
 
 def get_contract(name: str) -> Contract:

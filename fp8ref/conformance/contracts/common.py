@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ...registry import Backend, Case, backend_quantize, decline_reason
 from ...spec import quant
-from ...spec.compare import compare, compare_bits
+from ...spec.compare import _bits, compare, compare_bits  # noqa: F401 -- _bits: the calling contract reads it here
 from ...spec.quant import Quantized
 from ..profiles import Profile
 from ..scope import Scope
@@ -26,7 +26,15 @@ __all__ = ["Contract", "ContractViolation", "Declined", "poison_allocator", "ref
 
 
 class ContractViolation(AssertionError):
-    """A backend broke a contract; the message locates the worst element."""
+    """A backend broke a contract; the message locates the worst element.
+
+    ``ratio`` is the failing example's worst error/bound where the contract compares with a bound
+    (None for a structural violation: a NaN code, a wrong shape, differing bits).
+    """
+
+    def __init__(self, message: str, ratio: float | None = None):
+        super().__init__(message)
+        self.ratio = ratio
 
 
 class Declined(Exception):
@@ -62,6 +70,16 @@ class Contract:
         An identity or info contract (determinism, symmetry, equivariance, losslessness on the grid,
         the fused linear against two calls, bit exactness, batch invariance): thinned out of the
         sweep for backends that pay per element.
+    exhaustive : bool
+        Run the sweep's exhaustive items (every bf16/fp16 bit pattern, every bf16 value as a row's
+        amax; up to 261k elements each); the other contracts skip them.
+    requires : tuple of str
+        Ops besides ``op`` the check calls (the fused linear against ``quantize`` and
+        ``scaled_mm``): the contract is "not claimed" by a backend that does not declare them all.
+    search_examples : int or None
+        At most this many search examples, whatever the profile (the calling contracts make many
+        calls per example and vary how the backend is called more than the values); None: the
+        profile's count.
     """
 
     name: str
@@ -74,6 +92,9 @@ class Contract:
     examples: tuple = ()  #: pinned problems, run before the sweep
     sweep: Callable[[list], list] | None = None
     secondary: bool = False
+    requires: tuple[str, ...] = ()
+    exhaustive: bool = False
+    search_examples: int | None = None
 
     @property
     def fails_report(self) -> bool:
@@ -161,6 +182,16 @@ def _ref_quantize(x: torch.Tensor, scheme, scale: torch.Tensor | None = None) ->
         raise Declined(f"reference refuses the input: {exc}") from None
 
 
+def _build(problem):
+    """``problem.build()``, declined when the spec itself refuses the problem's inputs (a bias that
+    cancels a row is built from the spec's quantization, which raises, e.g., for a scale that
+    overflows an fp16 scale dtype): an input the spec rejects is never a backend's fault."""
+    try:
+        return problem.build()
+    except ValueError as exc:
+        raise Declined(f"premise: the spec refuses the input: {exc}") from None
+
+
 def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan")) -> torch.Tensor:
     M, N = a.data.shape[0], b.data.shape[0]
     poison_allocator((M, N), a.data.device, poison)
@@ -194,7 +225,7 @@ def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torc
     within the bound (and, given ``dtype``, of that dtype); return the worst error/bound ratio."""
     verdict = compare(what, value, ref, bound, dtype=dtype)
     if not verdict.ok:
-        raise ContractViolation(verdict.message())
+        raise ContractViolation(verdict.message(), ratio=verdict.ratio)
     return verdict.ratio
 
 

@@ -8,16 +8,15 @@ import inspect
 import torch
 
 from ...registry import Backend
-from ...spec import quant
 from ...spec.bounds import linear_error_bound
 from ...spec.quant import Quantized
 from .. import strategies as fst
 from .common import (
     ContractViolation,
     Declined,
+    _build,
     _check_within,
     _first_diff,
-    _mm,
     _quantize,
     _ref_quantize,
     _require,
@@ -57,55 +56,60 @@ def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scal
         return backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale)
 
 
-def _linear(backend: Backend, x, w, bias, recipe, out_dtype, scale=None):
-    """The backend's linear as ``fp8ref.linear`` computes it: the weight quantized once by the
-    reference (load time), the activations by the backend, the backend's scaled_mm. A
-    registered backend goes through ``fp8ref.linear(..., backend=name)`` itself (static activation
-    schemes, which ``fp8ref.linear`` does not take, through its ``Backend.linear`` hook)."""
-    qw = quant.quantize(w, recipe.weight)
-    qx = _quantize(backend, x, recipe.activation, scale)
-    if _registered(backend):
+def _linear(backend: Backend, x, qw: Quantized, w, bias, recipe, out_dtype, scale=None) -> torch.Tensor:
+    """The backend's linear as its callers run it: the weight quantized once by the reference (load
+    time) and the activations by the backend's own ``linear`` (a fused hook, or the default
+    ``scaled_mm(quantize(x))``). A registered backend goes through ``fp8ref.linear(...,
+    backend=name)`` itself (static activation schemes, which ``fp8ref.linear`` does not take,
+    through its ``Backend.linear`` hook); any other through ``prepare_weight`` and ``linear``."""
+    poison_allocator((x.shape[0], w.shape[0]), x.device)
+    if _registered(backend) and scale is None:
         import fp8ref
 
-        poison_allocator((x.shape[0], w.shape[0]), x.device)
-        if scale is None:
-            with backend_threads():
-                y = fp8ref.linear(x, w, bias, recipe=recipe, backend=backend.name, precision="fast",
-                                  out_dtype=out_dtype)
-        else:
-            with backend_threads():
-                prepared = backend.prepare_weight(qw)
-            y = _backend_linear(backend, x, prepared, bias, out_dtype, recipe.activation, scale)
-        if tuple(y.shape) != (x.shape[0], w.shape[0]) or y.dtype != out_dtype:
-            raise ContractViolation(f"fp8ref.linear returned {tuple(y.shape)} {y.dtype}")
+        with backend_threads():
+            y = fp8ref.linear(x, w, bias, recipe=recipe, backend=backend.name, precision="fast",
+                              out_dtype=out_dtype)
+        what = "fp8ref.linear"
     else:
-        y = _mm(backend, qx, qw, bias, out_dtype)
-    return y, qx, qw
+        with backend_threads():
+            prepared = backend.prepare_weight(_to_device(qw, x.device))
+        y = _backend_linear(backend, x, prepared, bias, out_dtype, recipe.activation, scale)
+        what = "linear"
+    if not isinstance(y, torch.Tensor):
+        raise ContractViolation(f"{what} returned {type(y).__name__}, not a tensor")
+    if tuple(y.shape) != (x.shape[0], w.shape[0]) or y.dtype != out_dtype:
+        raise ContractViolation(f"{what} returned {tuple(y.shape)} {y.dtype}, expected "
+                                f"{(x.shape[0], w.shape[0])} {out_dtype}")
+    return y
 
 
 def check_linear_bound(backend: Backend, p: fst.LinearProblem) -> float:
+    """The backend's linear against the float64 linear of the unquantized inputs, within the bound
+    computed from the spec's own quantization of x and w (``linear_error_bound``): whatever scale the
+    backend chose inside its linear, the bound never reads it."""
     _require(backend, p.case())
-    x, w, bias = p.build()
+    x, w, bias = _build(p)
     scale = p.act_scale(x)
-    _ref_quantize(x, p.recipe.activation, scale)
-    _ref_quantize(w, p.recipe.weight)
+    qx = _ref_quantize(x, p.recipe.activation, scale)
+    qw = _ref_quantize(w, p.recipe.weight)
     from ...kernels import reference  # noqa: F401 -- fp8ref.linear needs the registry loaded
     y_true = x.to(torch.float64) @ w.to(torch.float64).T
     if bias is not None:
         y_true = y_true + bias.to(torch.float64)
     if bool((y_true.abs() > torch.finfo(p.out_dtype).max / 4).any()):
         raise Declined(f"premise: the exact result overflows {p.out_dtype}")
-    y, qx, qw = _linear(backend, x, w, bias, p.recipe, p.out_dtype, scale)
+    y = _linear(backend, x, qw, w, bias, p.recipe, p.out_dtype, scale)
     bound = linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
                                output_roundings=backend.output_roundings)
-    return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound)", y, y_true, bound)
+    return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound of the spec's "
+                         "quantization)", y, y_true, bound)
 
 
 def check_linear_matches_two_calls(backend: Backend, p: fst.LinearProblem) -> float:
     """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
     returns, bit for bit, on the weight prepared by ``prepare_weight``."""
     _require(backend, p.case())
-    x, w, bias = p.build()
+    x, w, bias = _build(p)
     scale = p.act_scale(x)
     _ref_quantize(x, p.recipe.activation, scale)
     qw = _ref_quantize(w, p.recipe.weight)

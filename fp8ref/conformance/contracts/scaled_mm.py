@@ -15,6 +15,7 @@ from .. import strategies as fst
 from .common import (
     ContractViolation,
     Declined,
+    _build,
     _cached,
     _check_within,
     _copy,
@@ -30,7 +31,7 @@ from .common import (
 def _gemm_ref(p: fst.GemmProblem):
     """``(a, b, bias, y64)``: copies of the operands and the reference's float64 result."""
     def compute():
-        a, b, bias = p.build()
+        a, b, bias = _build(p)
         y64 = gemm.scaled_mm(a, b, bias, out_dtype=torch.float64)
         limit = torch.finfo(p.out_dtype).max / 2
         if not bool(torch.isfinite(y64).all()) or bool((y64.abs() > limit).any()):

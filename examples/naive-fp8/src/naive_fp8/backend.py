@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8ref import Accumulation, Backend, Case, Granularity, Quantized, QuantScheme
+from fp8ref import PROPAGATE, Accumulation, Backend, Case, Granularity, NonFinite, Quantized, QuantScheme
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _FP32 = torch.finfo(torch.float32)
@@ -46,6 +46,9 @@ class NaiveFp8Backend(Backend):
     accumulation = Accumulation.FP32
     # The fp32 result is rounded to out_dtype once, after the scales and the bias.
     output_roundings = 1
+    # NaN/Inf: quantize raises for x (as the spec); scaled_mm adds the bias as it is, so a NaN or Inf
+    # there reaches its output column -- declared, so the *.non_finite contracts hold it to that.
+    non_finite = NonFinite(bias=PROPAGATE)
 
     def available(self) -> str | None:
         return None  # plain PyTorch on the CPU: runs everywhere fp8ref does
@@ -73,6 +76,8 @@ class NaiveFp8Backend(Backend):
             raise ValueError(f"naive-fp8 cannot quantize under {scheme.short_str()}: {reason or 'static scale'}")
         if x.dim() != 2 or x.dtype not in _FLOATS:
             raise ValueError(f"x must be a 2-D fp32/fp16/bf16 tensor, got {x.dtype} {tuple(x.shape)}")
+        if x.shape[1] == 0:
+            raise ValueError("x has 0 columns: the reduction dim K must be at least 1")
         if not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or Inf: FP8 quantization of NaN/Inf is undefined")
         x32 = x.float()
@@ -101,6 +106,8 @@ class NaiveFp8Backend(Backend):
                 raise ValueError(f"naive-fp8 scaled_mm: operand {role} has {reason}")
         if a.data.shape[1] != b.data.shape[1]:
             raise ValueError(f"K mismatch: a is {tuple(a.data.shape)} [M, K], b is {tuple(b.data.shape)} [N, K]")
+        if a.data.shape[1] == 0:
+            raise ValueError("a and b have 0 columns: the reduction dim K must be at least 1")
         acc = a.data.float() @ b.data.float().T  # [M, N], fp32 accumulation
         y = acc * a.scale.float().reshape(-1, 1) * b.scale.float().reshape(1, -1)
         if bias is not None:
