@@ -16,8 +16,9 @@ pairs for ``torch.compile`` of both models.
 Where a decode token's time goes (``breakdown``): one decode step of each model with hooks records
 every linear layer's input; the layers are then timed alone on those inputs, in rounds paired with
 the step (the bf16 ``F.linear`` of each ``nn.Linear``; each ``Fp8Linear`` as called, paired with its
-backend's ``linear`` on the prepared weight: the kernel without fp8ref's per-call path). A step's time minus its layers' is the time a
-token spends outside the GEMMs (attention, norms, embeddings, Python of the model).
+backend's ``linear`` on the prepared weight: the kernel without fp8ref's per-call path). A step's
+time minus its layers' is the time a token spends outside the GEMMs (attention, norms, embeddings,
+Python of the model).
 """
 
 from __future__ import annotations
