@@ -171,7 +171,10 @@ def bench_model(name: str, *, layers: int = 1, prompt: int = 128, tokens: int = 
                            "skipped_layers": summary.skipped}
     variants = [("eager", base, fp8)]
     if compiled:
-        variants.append(("compiled", torch.compile(base), torch.compile(fp8)))
+        # dynamic=True: decoding grows the KV cache by one position per step, and with static
+        # shapes dynamo recompiles per length until its recompile limit (the timing then measures
+        # compilation, and the model falls back to eager).
+        variants.append(("compiled", torch.compile(base, dynamic=True), torch.compile(fp8, dynamic=True)))
     for mode, b, f in variants:
         t1 = time.perf_counter()
         db, df = _decoder(b, ids, tokens), _decoder(f, ids, tokens)
