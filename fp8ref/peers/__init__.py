@@ -37,6 +37,7 @@ PEER_MODULES = (
     "fp8ref.peers.modelopt",
     "fp8ref.peers.flax_fp8",
     "fp8ref.peers.tinygrad_fp8",
+    "fp8ref.peers.quark",
 )
 
 _PEERS: list[Peer] | None = None

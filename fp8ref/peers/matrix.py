@@ -21,7 +21,7 @@ Everything below runs on a CPU with torch held at `constraints.txt` (a CPU build
 pip install -c constraints.txt -e ".[peers]"     # onnxruntime, onnx, torchao, compressed-tensors,
                                                  # jax[cpu], optimum-quanto, nvidia-modelopt, triton,
                                                  # flax, tinygrad
-pip install -c constraints.txt --no-deps "sglang==0.5.23" "vllm==0.33.0"
+pip install -c constraints.txt --no-deps "sglang==0.5.23" "vllm==0.33.0" "amd-quark==0.13" "onnxslim==0.1.98"
 pip install -c constraints.txt orjson pyzmq pybase64 starlette msgspec IPython aiohttp \\
     pydantic pillow regex requests packaging tqdm transformers
 ```

@@ -37,5 +37,30 @@ def test_codes_match_one_rounding_on_random_activations(dtype):
     assert wrong == 0, f"{wrong:.2%} of codes differ from one rounding of x / scale"
 
 
+def _steady_state_scale(x, q_dtype=jnp.float8_e4m3fn):
+    one, empty = jnp.ones((), jnp.float32), jnp.zeros((1,), jnp.float32)
+    _, history = fp8_ops.update_fp8_meta(x, q_dtype, one, empty)  # step 1 records amax(x)
+    scale, _ = fp8_ops.update_fp8_meta(x, q_dtype, one, history)  # step 2: 1 / (448 / amax)
+    return scale
+
+
+@pytest.mark.xfail(strict=True, reason="flax-fp8-ops-fp16-scale-underflow: no upstream report found")
+def test_fp16_small_tensor_keeps_finite_codes():
+    x = jnp.asarray([[2.0**-22, 0.0, -(2.0**-23)]], dtype=jnp.float16)  # small fp16 activations
+    scale = _steady_state_scale(x)  # 2**-22 / 448 in fp32: fine
+    q = np.asarray(fp8_ops.quantize(x, jnp.float8_e4m3fn, scale, jnp.float16)).astype(np.float32)
+    # quantize casts the scale to fp16 first, where 2**-22 / 448 (< 2**-25) is 0: x / 0 gives 448 and NaN
+    assert not np.isnan(q).any() and q[0, 1] == 0.0, f"got codes {q.tolist()} for scale {float(scale):g}"
+
+
+@pytest.mark.xfail(strict=True, reason="flax-fp8-ops-tiny-amax-scale: no upstream report found")
+def test_tiny_input_gets_a_scale_from_its_amax():
+    x = jnp.asarray([[2.0**-133]], dtype=jnp.bfloat16)  # amax 2**-133: a subnormal fp32 value
+    scale = float(_steady_state_scale(x))
+    # compute_scale forms 448 / amax: on XLA:CPU the subnormal amax is flushed to 0, so the previous
+    # scale (1) is kept (with IEEE subnormals 448 / amax overflows to Inf and the scale is 0). Any
+    # scale derived from amax is at most the smallest normal fp32, 2**-126.
+    assert 0.0 < scale <= 2.0**-126, f"scale {scale!r} for amax 2**-133"
+
 if __name__ == "__main__":  # run standalone: the failures show (--runxfail), exit status 1
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", "--runxfail"]))

@@ -182,8 +182,8 @@ def _check_overflow(backend: Backend, op: _Op, args) -> float | None:
         at = tuple(int(i) for i in wrong.nonzero()[0])
         raise ContractViolation(f"exact result {y64[at].item():.6g} lies past {p.out_dtype}'s range (max {oi.max:g}) "
                                 f"by more than the bound, got {y[at].item()!r} at {at}: must be "
-                                f"{'+' if y64[at] > 0 else '-'}Inf (round to nearest; any non-finite value where the terms' "
-                                f"absolute sum passes fp32's range), never a finite stand-in")
+                                f"{'+' if y64[at] > 0 else '-'}Inf (round to nearest; any non-finite value where the "
+                                f"terms' absolute sum passes fp32's range), never a finite stand-in")
     # Below the maximum the bound holds only where no fp32 partial sum can overflow (the mass within
     # fp32's range): there the output is finite and within the bound.
     inside = ((y64.abs() + bound) < oi.max) & ~nan_ok
