@@ -361,6 +361,12 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     ops = backend.ops
     if not isinstance(ops, (tuple, list, frozenset, set)) or not ops or not set(ops) <= set(OPS):
         raise ValueError(f"backend {backend.name!r}: ops must be a non-empty collection of {OPS}, got {ops!r}")
+    nf = backend.non_finite
+    if not isinstance(nf, NonFinite):
+        raise TypeError(f"backend {backend.name!r}: non_finite must be an fp8ref.NonFinite, got {type(nf).__name__}")
+    if backend.rejects_non_finite and (nf.x != RAISE or nf.bias != RAISE):
+        raise ValueError(f"backend {backend.name!r}: rejects_non_finite says NaN/Inf in x and bias raise, but "
+                         f"non_finite declares x={nf.x!r}, bias={nf.bias!r}")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
     _ENTRY_POINT_NAMES.discard(backend.name)  # the user's own registration: their choice

@@ -95,3 +95,19 @@ def test_offset_path_at_a_small_offset(monkeypatch):
 def test_reference_meets_the_calling_contract():
     report = check("reference", "dev", seed=0, contracts=CALLING_CONTRACT_NAMES)
     assert report.passed, report.to_text()
+
+
+def test_declarations_must_agree():
+    """``rejects_non_finite`` (x and bias raise) and ``non_finite`` cannot say two things."""
+    from fp8ref import Backend, register_backend
+
+    class Both(Backend):
+        name, rejects_non_finite, non_finite = "h7-both", True, NonFinite(bias=PROPAGATE)
+
+    class NotDeclared(Backend):
+        name, non_finite = "h7-not-declared", "propagate"
+
+    with pytest.raises(ValueError, match="rejects_non_finite says"):
+        register_backend(Both())
+    with pytest.raises(TypeError, match="non_finite must be an fp8ref.NonFinite"):
+        register_backend(NotDeclared())

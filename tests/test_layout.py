@@ -66,7 +66,6 @@ NOTEBOOK_ALLOWED = {
     ("fp8ref/bench/timing.py", "Default 1 ms on CUDA, 5 ms on CPU"): "a parameter's documented default",
     ("fp8ref/bench/report.py", "memory copy 10.00 GB/s (read + write); bf16 GEMM peak 100.0 GFLOP/s"):
         "a doctest's output on made-up input",
-    ("fp8ref/bench/model.py", "1.50x"): "a doctest's output on made-up input",
 }
 #: Modules whose job is to identify CPUs: they may name them (never with a figure).
 CPU_NAMES_ALLOWED = {"fp8ref/_machine.py": "says which vendor, family and model numbers name which design"}

@@ -16,7 +16,7 @@ import torch
 
 from .._progress import oversubscribed
 from ..spec.schemes import RECIPES
-from .bench import _names, unknown_backends
+from .bench import _names, _positive_int, unknown_backends
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--drift-top1", type=float, help="top-1 agreement drop counted as drift")
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="torch CPU threads (default: torch's own choice); on a loaded machine 1 thread avoids "
+                        "waiting at parallel barriers for descheduled threads (docs/audit.md)")
     p.set_defaults(func=_audit)
 
 
@@ -79,6 +82,16 @@ def _weights_only(args: argparse.Namespace, out: Path) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _audit_run(args)
+    finally:  # main() called in a process that goes on (a test, a notebook) keeps its thread count
+        torch.set_num_threads(threads)
+
+
+def _audit_run(args: argparse.Namespace) -> int:
     from ..audit import AuditReport, audit_model, compare_audits, compare_reports
     from ..audit.material import encoder_batches, encoder_sentences, lm_batches, load_model, load_text
 

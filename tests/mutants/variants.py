@@ -49,7 +49,7 @@ class ReciprocalQuantize(Fp32Base):
            "overflows (a subnormal scale)")
 
     def quantize(self, x, scheme, scale=None):
-        s = quant.quantize(x, scheme, scale).scale if scale is not None else quant.compute_scale(x, scheme)
+        s = quant.quantize(x, scheme, scale).scale  # the spec's scale, and its argument checks
         d = static_divisor(x, s, scheme)
         inv = 1.0 / d
         # 1/s overflows for subnormal scales (subnormal_scales schemes): the magnitude sweep found that
@@ -64,6 +64,7 @@ class DequantizeFirst(Fp32Base):
     bug = "applies the scales in fp32 before the product: deq(a) @ deq(b)^T in one fp32 GEMM"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        gemm.check_operands(a, b, bias, out_dtype, finite_bias=False)  # K = 0 raises; a NaN bias propagates
         y = a.dequantize(torch.float32) @ b.dequantize(torch.float32).T
         return finish(y, bias, out_dtype)
 
@@ -93,6 +94,7 @@ class ExactFloat64(Fp32Base):
         return None
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        gemm.check_operands(a, b, bias, out_dtype, finite_bias=False)  # K = 0 raises; a NaN bias propagates
         y = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float64)
         for k0, k1 in gemm.k_segments(a, b):
             S = a.data[:, k0:k1].to(torch.float64) @ b.data[:, k0:k1].to(torch.float64).T

@@ -200,8 +200,8 @@ _CALLING = (
     ("non_finite", "NaN/Inf in each input: what Backend.non_finite declares (ValueError, or non-finite outputs "
      "wherever they depend on it); results past the output dtype's range are +-Inf; never a finite stand-in",
      "declared", check_non_finite),
-    ("degenerate", "M, N, K = 1: within the bound; M or N = 0: an empty result; K = 0: a ValueError (as the "
-     "spec) or the empty sum", "bound / shape", check_degenerate),
+    ("degenerate", "M, N, K = 1: within the bound; M or N = 0: an empty result; K = 0: a ValueError or "
+     "TypeError, as the spec raises (not a crash, not a result)", "bound / shape", check_degenerate),
 )
 _OP_STRATEGY = {"quantize": _qp(), "scaled_mm": _gp(), "linear": _lp}
 _CALLING_CONTRACTS = tuple(

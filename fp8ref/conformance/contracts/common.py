@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ...registry import Backend, Case, backend_quantize, decline_reason
 from ...spec import quant
-from ...spec.compare import _bits, compare, compare_bits  # noqa: F401 -- _bits: the calling contract reads it here
+from ...spec.compare import compare, compare_bits
 from ...spec.quant import Quantized
 from ..profiles import Profile
 from ..scope import Scope

@@ -173,16 +173,17 @@ def _check_overflow(backend: Backend, op: _Op, args) -> float | None:
     y = _run(backend, op, new)["y"].to(torch.float64)
     must_inf = (y64.abs() - bound) > over
     # Where the terms' absolute sum passes fp32's range, an fp32 accumulator's partial sums can
-    # reach +Inf and -Inf: NaN is non-finite too, and allowed there.
+    # overflow to either infinity before the terms of the other sign come (or meet both: NaN): any
+    # non-finite value is allowed there, never a finite one.
     mass = gemm.scaled_mm(_abs(a2), _abs(b2), None, out_dtype=torch.float64)
     nan_ok = mass > torch.finfo(torch.float32).max
-    wrong = must_inf & (y != torch.sign(y64) * math.inf) & ~(nan_ok & torch.isnan(y))
+    wrong = must_inf & (y != torch.sign(y64) * math.inf) & ~(nan_ok & ~torch.isfinite(y))
     if bool(wrong.any()):
         at = tuple(int(i) for i in wrong.nonzero()[0])
         raise ContractViolation(f"exact result {y64[at].item():.6g} lies past {p.out_dtype}'s range (max {oi.max:g}) "
                                 f"by more than the bound, got {y[at].item()!r} at {at}: must be "
-                                f"{'+' if y64[at] > 0 else '-'}Inf (round to nearest; NaN only where the terms' "
-                                f"absolute sum passes fp32's range), never a finite stand-in")
+                                f"{'+' if y64[at] > 0 else '-'}Inf (round to nearest; any non-finite value where the "
+                                f"terms' absolute sum passes fp32's range), never a finite stand-in")
     # Below the maximum the bound holds only where no fp32 partial sum can overflow (the mass within
     # fp32's range): there the output is finite and within the bound.
     inside = ((y64.abs() + bound) < oi.max) & ~nan_ok
