@@ -200,6 +200,16 @@ def _split(text: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
     return pre, rows, {k: "\n".join(v).rstrip("\n") for k, v in secs.items()}
 
 
+def _superseded(line: str, merged: set[str]) -> str | None:
+    """``line``, or for an earlier merge note the note without the rows recomputed now (None when
+    it names none that are left)."""
+    if not line.startswith(_MERGED):
+        return line
+    head, _, names = line.rpartition(": ")
+    left = [n for n in re.findall(r"`([^`]+)`", names) if n not in merged]
+    return f"{head}: " + ", ".join(f"`{n}`" for n in left) + "." if left else None
+
+
 def merge(text: str, certs: Sequence[Certificate], header: dict, order: Sequence[str]) -> str:
     """``text`` (a rendered ``docs/certified.md``) with the rows, sections and verdicts of ``certs``
     put in -- replacing those peers' old ones -- and every other peer's kept as recorded; rows follow
@@ -216,9 +226,7 @@ def merge(text: str, certs: Sequence[Certificate], header: dict, order: Sequence
     note = (f"{_MERGED} (profile `{header['profile']}`, seed {header['seed']}) on {header['machine']}; "
             f"{header['versions']}: " + ", ".join(f"`{c.peer}`" for c in certs) + ".")
     merged = {c.peer for c in certs}
-    # an earlier note whose rows are all recomputed now is superseded
-    pre = [line for line in pre if not (line.startswith(_MERGED)
-                                        and set(re.findall(r"`([^`]+)`", line.rpartition(": ")[2]) or ["?"]) <= merged)]
+    pre = [kept for line in pre if (kept := _superseded(line, merged)) is not None]
     while pre and not pre[-1].strip():
         pre.pop()
     table = fresh.splitlines()
