@@ -163,6 +163,20 @@ class ModelDtypeScalesPeer(Peer):
         return scheme
 
 
+class FixedAmaxFloor:
+    """Mixin for a peer whose source fixes its amax floor (``eps``) for one granularity: any positive
+    floor the suite asks for at that granularity is the same convention at the source's value."""
+
+    granularity = Granularity.ROW
+    eps = 0.0
+
+    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
+        # the source fixes its amax floor; any positive floor is the same convention at another value
+        if scheme.amax_floor > 0 and scheme.granularity is self.granularity:
+            return scheme.with_(amax_floor=self.eps)
+        return scheme
+
+
 def group_width(scheme: QuantScheme, cols: int) -> int | None:
     """The 1 x G group width a per-token-group kernel runs for ``scheme`` (row = one group of
     ``cols``), or None for other granularities."""

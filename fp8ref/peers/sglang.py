@@ -53,7 +53,7 @@ from ..registry import Case
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._base import Peer
+from ._base import FixedAmaxFloor, Peer
 from ._triton import (
     BlockGemmPeer,
     GivenScaleQuantPeer,
@@ -256,7 +256,7 @@ class SGLangScaledMM(_SGLangGemm, ScaledMMPeer):
         return _gemm_module().triton_scaled_mm
 
 
-class _OnlineW8A8:
+class _OnlineW8A8(FixedAmaxFloor):
     """SGLang's online weight quantization: ``W8A8Fp8LinearMethod.process_weights_after_loading`` on
     a layer holding the unquantized weight (``x`` plays the weight [N, K])."""
 
@@ -268,12 +268,6 @@ class _OnlineW8A8:
         if reason is None:
             _stub_torchvision()
         return reason
-
-    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-        # the source fixes its amax floor; any positive floor is the same convention at another value
-        if scheme.amax_floor > 0 and scheme.granularity is self.granularity:
-            return scheme.with_(amax_floor=self.eps)
-        return scheme
 
     def _supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)

@@ -59,7 +59,7 @@ from ..registry import Case
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._base import Peer
+from ._base import FixedAmaxFloor, Peer
 from ._triton import BlockGemmPeer, GroupQuantPeer, ScaledMMPeer
 
 __all__ = ["PEERS"]
@@ -164,21 +164,13 @@ class _NoKernel:
         return None
 
 
-class _VLLMOnline(_VLLM, Peer):
+class _VLLMOnline(_VLLM, FixedAmaxFloor, Peer):
     """``<method>.process_weights_after_loading`` on a layer holding ``x`` as its weight [N, K]."""
 
     ops = ("quantize",)
     method = ""
-    granularity = Granularity.ROW
-    eps = 0.0
     #: what the method's constructor sets besides the kernel choice (copied from its source)
     constructor_attrs: dict = {}
-
-    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-        # the source fixes its amax floor; any positive floor is the same convention at another value
-        if scheme.amax_floor > 0 and scheme.granularity is self.granularity:
-            return scheme.with_(amax_floor=self.eps)
-        return scheme
 
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)
