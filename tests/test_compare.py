@@ -86,6 +86,22 @@ def test_scale_bound_admits_a_faithful_rounding_and_rejects_two_steps(scale_dtyp
     assert not compare("two steps", torch.nextafter(up, torch.full_like(up, math.inf)), ref, bound).ok
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scale_bound_is_one_grid_step_among_subnormal_scales(scale_dtype):
+    """Below the smallest normal the grid step is the smallest subnormal: a neighbour one step away
+    passes, two steps away fails."""
+    scheme = QuantScheme(granularity="row", scale_dtype=scale_dtype)
+    fi = torch.finfo(scale_dtype)
+    step = fi.tiny * fi.eps
+    ref = torch.tensor([[step * 3], [fi.tiny / 2], [fi.tiny - step]], dtype=f64).to(scale_dtype)
+    assert bool((ref.to(f64) < fi.tiny).all()) and bool((ref > 0).all())  # all subnormal, exactly stored
+    bound = bounds.scale_error_bound(ref, scheme)
+    one = torch.nextafter(ref, torch.full_like(ref, math.inf))
+    two = torch.nextafter(one, torch.full_like(one, math.inf))
+    assert compare("one step", one, ref, bound).ok
+    assert not compare("two steps", two, ref, bound).ok
+
+
 def test_scale_bound_is_zero_for_pow2_and_static_schemes():
     s = torch.tensor([[0.25], [3.0]])
     assert not bool(bounds.scale_error_bound(s, QuantScheme(pow2_scale=True)).any())

@@ -194,9 +194,13 @@ def scale_error_bound(reference_scale: torch.Tensor, scheme: QuantScheme) -> tor
     the correctly rounded one, so with ``ulp(s) = 2^(e - p)`` for ``s = m 2^e``, ``m in [1/2, 1)``,
     and ``p`` the significand bits of ``scale_dtype``::
 
-        |s - s_ref| <= ulp(s_ref)                     dynamic scales
+        |s - s_ref| <= max(ulp(s_ref), tiny * eps)    dynamic scales
         s = s_ref                                     power-of-two scales (pow2_scale) and static
                                                       schemes (the caller's scale is returned)
+
+    ``tiny * eps`` is ``scale_dtype``'s smallest subnormal: below the smallest normal the grid is
+    evenly spaced by it (a convention with ``subnormal_scales`` stores such scales), so ``2^(e - p)``
+    would be finer than the grid there.
 
     One grid step is the finest tolerance that admits every faithful rounding (the grid leaves
     nothing between 0 and one step) and the coarsest that still rejects a scale off by a rounding
@@ -206,9 +210,10 @@ def scale_error_bound(reference_scale: torch.Tensor, scheme: QuantScheme) -> tor
     """
     if not scheme.dynamic or scheme.pow2_scale:
         return torch.zeros_like(reference_scale, dtype=torch.float64)
+    fi = torch.finfo(scheme.scale_dtype)
     p = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[scheme.scale_dtype]
     _, e = torch.frexp(reference_scale.to(torch.float64))
-    return torch.exp2(e.to(torch.float64) - p)
+    return torch.exp2(e.to(torch.float64) - p).clamp_min(fi.tiny * fi.eps)
 
 
 def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
