@@ -17,11 +17,12 @@ import torch
 
 from ..conformance.problems import GemmProblem, LinearProblem, QuantizeProblem
 from ..registry import Backend, Case
+from ..spec import quant
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme, Recipe
 
-__all__ = ["Peer", "dist_version", "import_reason", "as_scheme_scale", "interpreting", "model_dtype_scales",
-           "ModelDtypeScalesPeer"]
+__all__ = ["Peer", "dist_version", "import_reason", "as_scheme_scale", "spec_or_given_scale", "interpreting",
+           "model_dtype_scales", "ModelDtypeScalesPeer"]
 
 
 def dist_version(distribution: str) -> str | None:
@@ -45,6 +46,16 @@ def import_reason(*modules: str) -> str | None:
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def spec_or_given_scale(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The scale a peer quantizes ``x`` [rows, cols] with, in ``dtype``: the caller's (static) laid out
+    as ``scheme.scale_shape``, else the spec's dynamic scale (for peers whose scale is not the code
+    under test)."""
+    rows, cols = x.shape
+    s = quant.compute_scale(x, scheme) if scale is None else scale.reshape(scheme.scale_shape(rows, cols))
+    return s.to(dtype)
 
 
 def as_scheme_scale(s: torch.Tensor, scheme: QuantScheme, rows: int, cols: int) -> torch.Tensor:

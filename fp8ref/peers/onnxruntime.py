@@ -29,9 +29,9 @@ import torch
 
 from ..registry import Case
 from ..spec.formats import E4M3FN, E4M3FNUZ, E5M2
-from ..spec.quant import Quantized, compute_scale
+from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._base import Peer
+from ._base import Peer, spec_or_given_scale
 
 __all__ = ["PEERS"]
 
@@ -166,9 +166,7 @@ class OnnxRuntimeQDQ(Peer):
         return None
 
     def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
-        rows, cols = x.shape
-        s = compute_scale(x, scheme) if scale is None else scale.reshape(scheme.scale_shape(rows, cols))
-        s = s.to(scheme.scale_dtype)
+        s = spec_or_given_scale(x, scheme, scale, scheme.scale_dtype)
         arg = _scale_arg(s, scheme)
         sess = _quantize_session(scheme.format, tuple(sorted(_qdq_attrs(scheme).items())), arg.shape, self.reference)
         v = sess.run(None, {"x": x.to(torch.float32).numpy(), "s": arg})[0]

@@ -23,9 +23,9 @@ import torch
 
 from ..registry import Case
 from ..spec.formats import E4M3FN, E5M2
-from ..spec.quant import Quantized, compute_scale
+from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._base import Peer
+from ._base import Peer, spec_or_given_scale
 
 __all__ = ["PEERS"]
 
@@ -57,9 +57,7 @@ class QuarkFp8(Peer):
     def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
         from quark.torch.kernel import ScaledRealQuantizeFunction
 
-        rows, cols = x.shape
-        s = compute_scale(x, scheme) if scale is None else scale.reshape(scheme.scale_shape(rows, cols))
-        s = s.to(torch.float32)
+        s = spec_or_given_scale(x, scheme, scale, torch.float32)
         dtype = "fp8_e4m3" if scheme.format is E4M3FN else "fp8_e5m2"
         qmax = float(scheme.format.max)
         if scheme.granularity is Granularity.TENSOR:

@@ -19,9 +19,9 @@ import torch
 
 from ..registry import Case
 from ..spec.formats import E4M3FN, E5M2
-from ..spec.quant import Quantized, compute_scale
+from ..spec.quant import Quantized
 from ..spec.schemes import QuantScheme
-from ._base import Peer
+from ._base import Peer, spec_or_given_scale
 
 __all__ = ["PEERS"]
 
@@ -54,8 +54,7 @@ class TinygradFp8(Peer):
         from tinygrad import Tensor, dtypes
 
         rows, cols = x.shape
-        s = compute_scale(x, scheme) if scale is None else scale.reshape(scheme.scale_shape(rows, cols))
-        s = s.to(torch.float32)
+        s = spec_or_given_scale(x, scheme, scale, torch.float32)
         r, c = scheme.block_shape(rows, cols)
         full = s.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols].contiguous()  # broadcast, exact
         fp8 = dtypes.fp8e4m3 if scheme.format is E4M3FN else dtypes.fp8e5m2
