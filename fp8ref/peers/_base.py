@@ -187,6 +187,17 @@ class FixedAmaxFloor:
             return scheme.with_(amax_floor=self.eps)
         return scheme
 
+    def _load_time_reason(self, s: QuantScheme, case: Case) -> str | None:
+        """Why a load-time weight quantizer with this fixed floor declines ``s`` beyond its
+        granularity and format (None when it takes it)."""
+        if s.amax_floor != self.eps:
+            return f"amax floor {self.eps:g} is fixed in the source"
+        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
+            return "plain fp32 scales"
+        if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"weight dtype {case.x_dtype}"
+        return None
+
 
 def group_width(scheme: QuantScheme, cols: int) -> int | None:
     """The 1 x G group width a per-token-group kernel runs for ``scheme`` (row = one group of

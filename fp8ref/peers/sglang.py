@@ -277,13 +277,7 @@ class _OnlineW8A8(FixedAmaxFloor):
             return "the weight's scale is computed at load time (dynamic)"
         if s.granularity is not self.granularity:
             return f"this path quantizes per {self.granularity.value}"
-        if s.amax_floor != self.eps:
-            return f"amax floor {self.eps:g} is fixed in the source"
-        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
-            return "plain fp32 scales"
-        if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"weight dtype {case.x_dtype}"
-        return None
+        return self._load_time_reason(s, case)
 
     def _process(self, x: torch.Tensor) -> torch.nn.Module:
         from sglang.srt.layers.quantization.w8a8_fp8 import W8A8Fp8Config, W8A8Fp8LinearMethod

@@ -181,13 +181,7 @@ class _VLLMOnline(_VLLM, FixedAmaxFloor, Peer):
         if s.granularity is not self.granularity or (s.granularity is Granularity.BLOCK and s.block != (128, 128)):
             return f"this method quantizes per {self.granularity.value}" + (
                 " 128 x 128" if self.granularity is Granularity.BLOCK else "")
-        if s.amax_floor != self.eps:
-            return f"the source's floor is amax >= {self.eps:g}"
-        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
-            return "plain fp32 scales"
-        if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"weight dtype {case.x_dtype}"
-        return None
+        return self._load_time_reason(s, case)
 
     def _process(self, x: torch.Tensor) -> torch.nn.Module:
         import importlib
