@@ -63,6 +63,10 @@ def test_conventions_are_filled_in_and_defects_are_not():
     assert ct.map_problem(p).scheme == s
     ta = get_peer("torchao-float8").conventions(QuantScheme(amax_floor=0.0), torch.bfloat16)
     assert ta.zero_scale == 1.0 and ta.amax_floor == 0.0  # torchao's scale 0 is a defect: not mapped
+    training = get_peer("torchao-float8-training")
+    tt = training.conventions(QuantScheme(granularity="tensor"), torch.bfloat16)
+    assert (tt.amax_floor, tt.multiply_codes, tt.multiplier_scale) == (1e-12, True, True)  # EPS; stores m
+    assert not training.conventions(QuantScheme(pow2_scale=True), torch.float32).multiply_codes
     mx = get_peer("jax-mxfp8").conventions(QuantScheme(granularity="group", group_size=32), torch.float32)
     assert mx.pow2_scale and mx.zero_scale == 2.0**-127
 
@@ -116,13 +120,13 @@ def test_certify_cli_lists_and_rejects_unknown_names():
 @pytest.mark.skipif(not (_installed("onnxruntime", "onnx") and _installed("torchao")),
                     reason="the CI rows need onnxruntime, onnx and torchao (tox installs them)")
 def test_ci_rows_of_the_certification_matrix_are_current():
-    """Recompute the onnxruntime, onnx-reference and torchao rows (contracts only) and compare their
+    """Recompute the onnxruntime, onnx-reference and both torchao rows (contracts only) and compare their
     verdicts with docs/certified.md: a changed peer or contract fails here until the matrix is
     regenerated."""
     from fp8ref.cli import main
 
     rc = main(["certify", "--peer", "onnxruntime-qdq", "--peer", "onnx-reference-qdq", "--peer", "torchao-float8",
-               "--in-process", "--no-measure",
+               "--peer", "torchao-float8-training", "--in-process", "--no-measure",
                "--check", str(MATRIX), "--known-failures", str(ROOT / "properties" / "known_failures.py")])
     assert rc == 0
 

@@ -1,5 +1,8 @@
-"""torchao's float8 quantizer: the scale choice and cast behind ``Float8Tensor.from_hp`` (what
-``Float8DynamicActivationFloat8WeightConfig`` runs for activations and weights).
+"""torchao's float8 quantizers: the inference path (``Float8Tensor.from_hp``, what
+``Float8DynamicActivationFloat8WeightConfig`` runs for activations and weights) and the training
+path (``torchao.float8``: ``Float8Linear``'s casts, ``hp_tensor_to_float8_dynamic``).
+
+Inference path.
 
 Read from ``torchao/quantization/quant_primitives.py``: ``_choose_scale_float8(x, block_size,
 float8_dtype, hp_value_lb=...)`` takes ``amax`` over each block *in x's dtype*, clamps it at
@@ -14,6 +17,18 @@ dtype (``scale_compute_dtype``) and kept when it is subnormal (``subnormal_scale
 because they are defects: an all-zero block with no ``hp_value_lb`` gets scale 0 and NaN codes
 (pytorch/ao#4713); power-of-two scales rounded to the nearest power (values up to sqrt(2) * qmax
 are clamped).
+
+Training path, read from ``torchao/float8/float8_utils.py`` and ``float8_training_tensor.py``
+(0.18.0): ``tensor_to_amax`` takes ``max |x|`` in x's dtype (the whole tensor, or ``amax(dim=-1)``
+for AXISWISE, the rowwise recipes' activations; weights use dim 0 of ``w.t()``, the same rows);
+``amax_to_scale`` divides ``finfo(float8_dtype).max / clamp(amax, min=EPS)`` in *float64*
+(``EPS = 1e-12``) and rounds to fp32 -- the correctly rounded fp32 quotient, since fp64 carries more
+than 2 * 24 + 2 bits --, a *multiplier* m; ``_ToFloat8ConstrFunc`` computes ``x.to(float32) * m``,
+clamps at the format's max and casts; ``Float8TrainingTensor`` stores ``m`` as ``_scale`` and
+dequantizes with ``_data / _scale``. Conventions filled in: the fixed floor 1e-12, codes ``x * m``
+(``multiply_codes``), the multiplier stored (``multiplier_scale``). Not taken:
+``round_scales_to_power_of_2`` (the rowwise recipes' ``exp2(floor(log2(m)))``, not a declared
+convention for stored multipliers).
 """
 
 from __future__ import annotations
@@ -29,6 +44,9 @@ from ._base import Peer
 __all__ = ["PEERS"]
 
 _QP = "torchao.quantization.quant_primitives"
+_F8 = "torchao.float8.float8_scaling_utils"
+#: ``torchao.float8.float8_utils.EPS``: the amax floor of ``amax_to_scale``.
+_TRAINING_EPS = 1e-12
 
 
 def _block_size(scheme: QuantScheme, rows: int, cols: int) -> list[int]:
@@ -92,4 +110,55 @@ class TorchAOFloat8(Peer):
         return self._quantized(q, s, scheme)
 
 
-PEERS = (TorchAOFloat8(),)
+class TorchAOFloat8Training(Peer):
+    name = "torchao-float8-training"
+    project = "torchao"
+    distribution = "torchao"
+    entry = (f"{_F8}.hp_tensor_to_float8_dynamic (TENSORWISE, or AXISWISE with axiswise_dim=-1) -> "
+             "Float8TrainingTensor._data, ._scale")
+    modules = (_F8,)
+    notes = ("m = fp32(fp64(max / max(amax, 1e-12))) stored as _scale (a multiplier); "
+             "codes = cast(clamp(x.float() * m)); x ~ codes / m")
+    ops = ("quantize",)
+
+    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
+        plain = (scheme.dynamic and scheme.amax_floor > 0 and scheme.scale_dtype == torch.float32
+                 and scheme.scale_compute_dtype == torch.float32 and not scheme.pow2_scale
+                 and not scheme.subnormal_scales and not scheme.reciprocal_scale)
+        if not plain:
+            return scheme
+        # any positive floor is the source's EPS at another value; the multiplier is what it stores
+        return scheme.with_(amax_floor=_TRAINING_EPS, multiply_codes=True, multiplier_scale=True)
+
+    def supports(self, case: Case) -> str | None:
+        s = self._case_scheme(case)
+        if s.format not in (E4M3FN, E5M2, E4M3FNUZ) or s.qmax != s.format.max:
+            return "torchao clamps at torch.finfo(float8_dtype).max"
+        if not s.dynamic:
+            return "dynamic scales (hp_tensor_to_float8_dynamic)"
+        if s.granularity not in (Granularity.TENSOR, Granularity.ROW):
+            return "TENSORWISE or AXISWISE (one scale per row) scaling only"
+        if s.pow2_scale:
+            return "round_scales_to_power_of_2 rounds the multiplier down: not a declared convention"
+        if not (s.multiplier_scale and s.multiply_codes and s.amax_floor == _TRAINING_EPS):
+            return "stores the multiplier max / max(amax, 1e-12) and quantizes with x * m"
+        if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"input dtype {case.x_dtype} (the amax would be taken before the fp32 rounding)"
+        return None
+
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+
+        if scale is not None:
+            raise ValueError(f"{self.name}: dynamic scales only")
+        row = scheme.granularity is Granularity.ROW
+        t = hp_tensor_to_float8_dynamic(
+            x, scheme.format.torch_dtype, LinearMMConfig(),
+            scaling_granularity=ScalingGranularity.AXISWISE if row else ScalingGranularity.TENSORWISE,
+            axiswise_dim=-1 if row else None)
+        return self._quantized(t._data, t._scale, scheme)
+
+
+PEERS = (TorchAOFloat8(), TorchAOFloat8Training())

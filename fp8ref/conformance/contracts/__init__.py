@@ -254,7 +254,8 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract("quantize.deterministic", _Q, "exact", "the same call twice gives the same bits",
              "bit-exact", _qp(), check_quantize_deterministic, _Q_EX, secondary=True),
     Contract("quantize.scale_equivariance", _Q, "exact",
-             "x*2**k gives the same codes and scale*2**k (where the spec itself is equivariant)",
+             "x*2**k gives the same codes and scale*2**k (a stored multiplier: *2**-k; where the spec itself is "
+             "equivariant)",
              "bit-exact", _qp(with_k=True), check_quantize_scale_equivariance, _with_k(_Q_EX, 3), with_k,
              secondary=True),
     Contract("quantize.sign_symmetry", _Q, "exact", "-x gives -codes and the same scale",

@@ -140,20 +140,22 @@ def check_quantize_scale_equivariance(backend: Backend, p: fst.QuantizeProblem) 
     x2 = x * f
     if not torch.equal(x2 / f, x) or not bool(torch.isfinite(x2).all()):
         raise Declined("premise: x * 2**k is not exact in the input dtype")
+    # a stored multiplier (multiplier_scale, x ~ q / m) scales by 2**-k where a scale scales by 2**k
+    fs, k_s = (1.0 / f, -p.k) if p.scheme.multiplier_scale else (f, p.k)
     scale2 = None
     if scale is not None:
-        scale2 = scale * f
+        scale2 = scale * fs
         info = torch.finfo(scale.dtype)
-        if not torch.equal(scale2 / f, scale) or bool((scale2 < info.tiny).any()) or not bool(
+        if not torch.equal(scale2 / fs, scale) or bool((scale2 < info.tiny).any()) or not bool(
                 torch.isfinite(scale2).all()):
             raise Declined("premise: scale * 2**k leaves the normal range of the scale dtype")
     r2 = _ref_quantize(x2, p.scheme, scale2)
     # The premise is the spec's own equivariance on this input: no amax floor, no scale clamp.
-    if not (torch.equal(r2.scale.double(), r1.scale.double() * f) and _same_bits(r1.data, r2.data)):
+    if not (torch.equal(r2.scale.double(), r1.scale.double() * fs) and _same_bits(r1.data, r2.data)):
         raise Declined("premise: the amax floor or a scale limit applies, so the spec itself is not equivariant")
     q1, q2 = _quantize(backend, x, p.scheme, scale), _quantize(backend, x2, p.scheme, scale2)
-    if not torch.equal(q2.scale.double(), q1.scale.double() * f):
-        raise ContractViolation(f"scale of x*2**{p.k} is not scale(x)*2**{p.k}: "
+    if not torch.equal(q2.scale.double(), q1.scale.double() * fs):
+        raise ContractViolation(f"scale of x*2**{p.k} is not scale(x)*2**{k_s}: "
                                 f"{q2.scale.flatten()[:4].tolist()} vs {q1.scale.flatten()[:4].tolist()}")
     if not _same_bits(q1.data, q2.data):
         raise ContractViolation(f"codes of x*2**{p.k} differ from codes of x: {_first_diff(q2.data, q1.data)}")
