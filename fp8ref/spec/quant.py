@@ -155,7 +155,8 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     s = max(amax, floor) / qmax correctly rounded to ``scale_compute_dtype`` (fp32 by default;
     computed in fp32 and rounded once more, which equals the correctly rounded quotient because
     fp32 carries more than 2p + 2 bits of a bf16/fp16 significand) -- or, with ``reciprocal_scale``,
-    s = fl32(1 / fl32(qmax / max(amax, floor))), where a multiplier that overflows to Inf (amax 0
+    s = fl32(1 / fl32(qmax / max(amax, floor))) (the multiplier as fl32(qmax * fl32(1 / max(amax,
+    floor))) with ``multiplier_by_reciprocal``), where a multiplier that overflows to Inf (amax 0
     with no floor, or amax below qmax / 2**128) gives 0 --, ``zero_scale`` where that is 0, then
     rounded up to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never below
     that dtype's smallest normal (smallest subnormal with ``subnormal_scales``). Hence
@@ -186,9 +187,12 @@ def _dynamic_scale(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, 
             return _dynamic_scale(x, scheme)
     amax = _amax(x, scheme)
     floored = torch.clamp(amax, min=scheme.amax_floor)
-    # a tensor numerator: torch evaluates ``float / tensor`` as float * (1 / tensor), a second rounding
-    mult = torch.full_like(floored, scheme.qmax) / floored if scheme.reciprocal_scale or scheme.multiplier_scale \
-        else None
+    mult = None
+    if scheme.multiplier_by_reciprocal:  # torch's ``float / tensor``: qmax * fl32(1 / amax)
+        mult = torch.reciprocal(floored) * scheme.qmax
+    elif scheme.reciprocal_scale or scheme.multiplier_scale:
+        # a tensor numerator: torch evaluates ``float / tensor`` as float * (1 / tensor), a second rounding
+        mult = torch.full_like(floored, scheme.qmax) / floored
     if scheme.multiplier_scale:
         m = torch.where(torch.isinf(mult), torch.full_like(mult, 1.0 / scheme.zero_scale), mult)
         if not bool((m > 0).all()):

@@ -95,6 +95,12 @@ class QuantScheme:
         keras' ``compute_scale``, SGLang's ``input_to_float8``), instead of the quotient ``max(amax,
         floor) / qmax`` rounded once. Two roundings: the scale can differ from the quotient's by a
         grid step. Dynamic schemes computed in fp32 only (every peer that uses the form does).
+    multiplier_by_reciprocal : bool
+        Evaluate the multiplier ``qmax / max(amax, floor)`` of ``reciprocal_scale`` or
+        ``multiplier_scale`` as ``fl32(qmax * fl32(1 / max(amax, floor)))``: what torch computes for a
+        Python float divided by a tensor (``Tensor.__rtruediv__`` is ``reciprocal() * other``), as in
+        SGLang's ``input_to_float8``. With ``reciprocal_scale`` the scale then carries three roundings
+        and lies up to two grid steps from the quotient (0.9 % of fp32 amaxes).
     multiply_codes : bool
         Compute the codes as ``RNE(clamp(fl32(x * m)))`` with a multiplier ``m`` instead of
         ``RNE(clamp(fl32(x / s)))`` (SGLang's ``input_to_float8`` and Triton quantizers, vLLM's per-tensor
@@ -130,6 +136,7 @@ class QuantScheme:
     scale_compute_dtype: torch.dtype = torch.float32
     subnormal_scales: bool = False
     reciprocal_scale: bool = False
+    multiplier_by_reciprocal: bool = False
     multiply_codes: bool = False
     multiplier_scale: bool = False
     name: str = field(default="", compare=False)
@@ -174,8 +181,8 @@ class QuantScheme:
         if not isinstance(zs, (int, float)) or isinstance(zs, bool) or not math.isfinite(zs) or zs <= 0:
             raise ValueError(f"zero_scale must be a finite float > 0 (NaN or 0 scales are defects), got {zs!r}")
         object.__setattr__(self, "zero_scale", float(zs))
-        for flag in ("dynamic", "pow2_scale", "subnormal_scales", "reciprocal_scale", "multiply_codes",
-                     "multiplier_scale"):
+        for flag in ("dynamic", "pow2_scale", "subnormal_scales", "reciprocal_scale", "multiplier_by_reciprocal",
+                     "multiply_codes", "multiplier_scale"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.reciprocal_scale and not self.dynamic:
@@ -184,6 +191,9 @@ class QuantScheme:
         if self.reciprocal_scale and self.scale_compute_dtype != torch.float32:
             raise ValueError("reciprocal_scale is computed in fp32 (scale_compute_dtype=torch.float32): "
                              f"got {self.scale_compute_dtype}, where qmax / amax would overflow for small amax")
+        if self.multiplier_by_reciprocal and not (self.reciprocal_scale or self.multiplier_scale):
+            raise ValueError("multiplier_by_reciprocal says how the multiplier qmax / amax is evaluated: it needs "
+                             "reciprocal_scale or multiplier_scale, the schemes that compute one")
         if self.multiplier_scale:
             if not self.multiply_codes:
                 raise ValueError("multiplier_scale stores m and quantizes with x * m: set multiply_codes=True too")
@@ -201,7 +211,8 @@ class QuantScheme:
         block, never subnormal, stored as a dequantization scale, and the codes divide by it (what
         fp8ref's fast kernels implement; other conventions go to the reference)."""
         return (self.zero_scale == 1.0 and self.scale_compute_dtype == torch.float32 and not self.subnormal_scales
-                and not self.reciprocal_scale and not self.multiply_codes and not self.multiplier_scale)
+                and not self.reciprocal_scale and not self.multiplier_by_reciprocal and not self.multiply_codes
+                and not self.multiplier_scale)
 
     def block_shape(self, rows: int, cols: int) -> tuple[int, int]:
         """(r, c): the extent of one scale's block for a ``[rows, cols]`` tensor (at least 1)."""
@@ -245,6 +256,8 @@ class QuantScheme:
             parts.append("subn")
         if self.reciprocal_scale:
             parts.append("recip")
+        if self.multiplier_by_reciprocal:
+            parts.append("rmul")
         if self.multiply_codes:
             parts.append("mul")
         if self.multiplier_scale:
