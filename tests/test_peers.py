@@ -67,6 +67,12 @@ def test_conventions_are_filled_in_and_defects_are_not():
     tt = training.conventions(QuantScheme(granularity="tensor"), torch.bfloat16)
     assert (tt.amax_floor, tt.multiply_codes, tt.multiplier_scale) == (1e-12, True, True)  # EPS; stores m
     assert not training.conventions(QuantScheme(pow2_scale=True), torch.float32).multiply_codes
+    online = get_peer("sglang-online-w8a8").conventions(QuantScheme(granularity="tensor"), torch.float16)
+    assert online.reciprocal_scale and online.multiplier_by_reciprocal and online.multiply_codes  # input_to_float8
+    assert not get_peer("sglang-online-w8a8").conventions(QuantScheme(granularity="tensor", dynamic=False),
+                                                          torch.float16).reciprocal_scale
+    fx = get_peer("flax-fp8-ops").conventions(QuantScheme(granularity="tensor"), torch.bfloat16)
+    assert fx.reciprocal_scale and fx.subnormal_scales and fx.scale_dtype == torch.bfloat16 and fx.amax_floor == 0
     mx = get_peer("jax-mxfp8").conventions(QuantScheme(granularity="group", group_size=32), torch.float32)
     assert mx.pow2_scale and mx.zero_scale == 2.0**-127
 

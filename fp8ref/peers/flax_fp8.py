@@ -15,10 +15,11 @@ The adapter runs two steps on the same tensor, the steady state of delayed scali
 input (and what current scaling computes): step 1 starts from scale 1 and an empty (zero) history
 and records amax(x); step 2's scale is ``1 / (fp8_max / amax(x))``; ``quantize(x, ..., scale, x.dtype)``
 gives the codes; the scale reported is the one quantize and dequantize apply, ``s.astype(x.dtype)``
-(flax's own cast, repeated here). Conventions filled in: the scale stored in the model's dtype
-(bf16/fp16), and a zero tensor keeps the previous scale, 1 (the spec's ``zero_scale``), with no amax
-floor. Not filled in: the division in bf16/fp16 for a bf16/fp16 model (two roundings before the FP8
-cast).
+(flax's own cast, repeated here). Conventions filled in: the scale written as ``1 / (fp8_max / amax)``
+in fp32 (``reciprocal_scale``), stored in the model's dtype (bf16/fp16) by ``astype``, which keeps a
+subnormal (``subnormal_scales``), and a zero tensor keeps the previous scale, 1 (the spec's
+``zero_scale``), with no amax floor. Not filled in: the division in bf16/fp16 for a bf16/fp16 model
+(two roundings before the FP8 cast).
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ class FlaxFp8Ops(Peer):
     ops = ("quantize",)
 
     def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
-        if scheme.scale_dtype != torch.float32 or scheme.granularity is not Granularity.TENSOR:
+        if scheme.granularity is not Granularity.TENSOR or not scheme.dynamic or scheme.pow2_scale:
             return scheme
-        # no amax floor (a zero tensor keeps the previous scale); the scale applied in the model's dtype
+        # whatever scale dtypes are asked for, flax computes 1 / (fp8_max / amax) in fp32 with no amax
+        # floor (a zero tensor keeps the previous scale, 1) and applies it in the model's dtype, where
+        # ``astype`` keeps a subnormal
         dt = x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
-        return scheme.with_(amax_floor=0.0, scale_dtype=dt)
+        return scheme.with_(amax_floor=0.0, scale_dtype=dt, scale_compute_dtype=torch.float32, zero_scale=1.0,
+                            reciprocal_scale=True, subnormal_scales=True, multiply_codes=False)
 
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)
@@ -66,8 +70,12 @@ class FlaxFp8Ops(Peer):
         want = case.x_dtype if case.x_dtype in (torch.bfloat16, torch.float16) else torch.float32
         if s.scale_dtype != want:
             return f"the scale is applied in the model's dtype ({want})"
-        if s.pow2_scale or not s.standard_scale_rule:
-            return "plain scales computed in fp32"
+        if not s.reciprocal_scale:
+            return "the scale is 1 / (fp8_max / amax) (reciprocal_scale)"
+        if not s.subnormal_scales:
+            return "scale.astype(dtype) keeps a subnormal scale (subnormal_scales)"
+        if s.pow2_scale or s.zero_scale != 1.0 or s.scale_compute_dtype != torch.float32 or s.multiply_codes:
+            return "plain scales computed in fp32, codes x / s"
         if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"input dtype {case.x_dtype}"
         return None

@@ -269,8 +269,8 @@ class _OnlineW8A8(FixedAmaxFloor):
             _stub_torchvision()
         return reason
 
-    def _supports(self, case: Case) -> str | None:
-        s = self._case_scheme(case)
+    def _supports(self, case: Case, s: QuantScheme | None = None) -> str | None:
+        s = self._case_scheme(case) if s is None else s
         if s.format != E4M3FN or s.qmax != E4M3FN.max:
             return "e4m3fn clamped at 448 only (fp8_dtype on a non-ROCm device)"
         if not s.dynamic:
@@ -301,13 +301,26 @@ class SGLangOnlineW8A8(_OnlineW8A8, _SGLang, Peer):
     name = "sglang-online-w8a8"
     entry = f"{_W8A8}.W8A8Fp8LinearMethod.process_weights_after_loading (fp16/bf16 checkpoint, no CUTLASS)"
     modules = (_W8A8,)
-    notes = ("input_to_float8: amax = max(|min|, |max|) floored at 1e-12 (fp32); m = 448/amax; "
-             "codes = cast(clamp(x.float() * m)); s = 1/m")
+    notes = ("input_to_float8: amax = max(|min|, |max|) floored at 1e-12 (fp32); m = 448/amax, which torch "
+             "evaluates as 448 * (1/amax); codes = cast(clamp(x.float() * m)); s = 1/m")
     granularity = Granularity.TENSOR
     eps = 1e-12
 
+    def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
+        s = super().conventions(scheme, x_dtype)
+        if (s is scheme or not s.dynamic or not s.standard_scale_rule or s.pow2_scale
+                or s.scale_dtype != torch.float32):
+            return s
+        # ``fp_max / amax`` (a Python float over a tensor: 448 * (1 / amax)), codes x * m, scale 1 / m
+        return s.with_(reciprocal_scale=True, multiplier_by_reciprocal=True, multiply_codes=True)
+
     def supports(self, case: Case) -> str | None:
-        return self._supports(case)
+        s = self._case_scheme(case)
+        if not (s.reciprocal_scale and s.multiplier_by_reciprocal and s.multiply_codes):
+            return "input_to_float8: scale 1 / (448 * (1 / amax)), codes x * m"
+        # the rest of the load-time rule on the scheme without the multiplier form it declares
+        return self._supports(case, s.with_(reciprocal_scale=False, multiplier_by_reciprocal=False,
+                                            multiply_codes=False))
 
 
 class SGLangOnlineW8A8Cutlass(_OnlineW8A8, _SGLang, TritonPeer):

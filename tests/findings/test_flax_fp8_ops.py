@@ -55,12 +55,14 @@ def test_fp16_small_tensor_keeps_finite_codes():
 
 @pytest.mark.xfail(strict=True, reason="flax-fp8-ops-tiny-amax-scale: no upstream report found")
 def test_tiny_input_gets_a_scale_from_its_amax():
-    x = jnp.asarray([[2.0**-133]], dtype=jnp.bfloat16)  # amax 2**-133: a subnormal fp32 value
-    scale = float(_steady_state_scale(x))
-    # compute_scale forms 448 / amax: on XLA:CPU the subnormal amax is flushed to 0, so the previous
-    # scale (1) is kept (with IEEE subnormals 448 / amax overflows to Inf and the scale is 0). Any
-    # scale derived from amax is at most the smallest normal fp32, 2**-126.
-    assert 0.0 < scale <= 2.0**-126, f"scale {scale!r} for amax 2**-133"
+    x = jnp.asarray([[2.0**-122, 0.0, -(2.0**-123)]], dtype=jnp.bfloat16)  # a normal amax, 2**-122
+    scale = _steady_state_scale(x)
+    q = np.asarray(fp8_ops.quantize(x, jnp.float8_e4m3fn, scale, jnp.bfloat16)).astype(np.float32)
+    # compute_scale returns 1 / (448 / amax): 448 * 2**122 overflows fp32, amax > 0 keeps the Inf, and
+    # 1 / Inf = 0, so x / 0 gives 448, NaN, -448. Any positive scale (the previous one, 1, or the
+    # smallest normal) gives finite codes; a zero scale never does.
+    assert float(scale) > 0.0, f"scale {float(scale)!r} for amax 2**-122, codes {q.tolist()}"
+
 
 if __name__ == "__main__":  # run standalone: the failures show (--runxfail), exit status 1
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", "--runxfail"]))
