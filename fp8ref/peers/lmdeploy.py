@@ -29,13 +29,28 @@ whole 128 x 128 blocks and converted to fp32, ``amax`` per block floored at ``1e
 ``s = amax / 448`` (fp32, one rounding; ``ue8m0``: ``2**ceil(log2(amax / 448))``), codes
 ``cast(x / s)`` (one rounding, no clamp: torch's cast rounds to 448 below 480).
 
+The SmoothQuant W8A8 path with ``--quant-dtype fp8`` (``lmdeploy lite smooth_quant``, then served by
+``lmdeploy/pytorch/backends/cuda/qmodules.py`` ``TritonLinearW8A8Impl``), read from
+``lmdeploy/pytorch/kernels/cuda/w8a8_triton_kernels.py`` and ``.../kernels/default/w8a8_kernels.py``:
+
+* ``per_channel_quant`` (the offline weight quantizer, ``QLinear.from_float``; plain torch): per output
+  channel ``s = amax / 448`` in fp32 with no floor, codes ``cast(clamp(x / s))``;
+* ``per_token_quant_int8(x, 1e-7, quant_dtype=fp8)`` (Triton; what ``TritonLinearW8A8Impl`` runs on
+  an unquantized input): ``s = max(amax, eps) / 448``, codes ``x / s`` stored to the FP8 output
+  (the store's conversion rounds to nearest even and saturates: ``cvt.rn.satfinite`` on a GPU);
+* ``matmul_kernel_dynamic_quant`` (Triton): ``acc = dot(a, b)`` over K in fp32, ``acc * s_a * s_w``
+  in fp32 (per-token and per-channel scale vectors), stored in the output dtype, then ``c += bias``
+  in torch on the rounded output: two roundings with a bias. The static per-tensor FP8 path
+  (``matmul_kernel_static_quant``) calls it with both scales expanded to vectors, as the adapter does
+  for tensor-wise scales.
+
 Harness needs (docs/certified.md): ``TRITON_INTERPRET=1``; the kernels' module reads CUDA device
 properties to size the quantizer's grid (``get_device_props``, which decides how many rows each
 program handles and nothing else), answered with an H100's; ``supports_tma`` asks the active
 Triton driver (none under the interpreter) and is answered False, the path pre-Hopper GPUs take;
-the GEMM is ``triton.autotune``-d over two tile shapes and the autotuner times each on the active
-driver: a stand-in benchmarker reports equal times, so the first configuration
-(BLOCK_M = 64, BLOCK_N = 128) runs, the same on every machine. The kernels also need the
+the GEMMs are ``triton.autotune``-d over two tile shapes and the autotuner times each on the active
+driver: a stand-in benchmarker reports equal times, so the first configuration runs (blocked GEMM:
+BLOCK_M = 64, BLOCK_N = 128; W8A8 GEMM: 128 x 256 x 128), the same on every machine. The kernels also need the
 interpreter patch's integer-mask fix (``triton_interpreter.py``: ``quant_fp8`` combines a block
 mask with a scalar row condition).
 """
@@ -54,6 +69,8 @@ from ._triton import TritonPeer
 __all__ = ["PEERS"]
 
 _KERNELS = "lmdeploy.pytorch.kernels.cuda.blocked_gemm_fp8"
+_W8A8 = "lmdeploy.pytorch.kernels.cuda.w8a8_triton_kernels"
+_W8A8_WEIGHTS = "lmdeploy.pytorch.kernels.default.w8a8_kernels"
 _UTILS = "lmdeploy.pytorch.kernels.cuda.utils"
 _LINEAR = "lmdeploy.pytorch.nn.linear.blocked_fp8"
 _QUANT_UTILS = "lmdeploy.lite.quantization.weight.quant_utils"
@@ -80,6 +97,17 @@ def _kernels():
         mod.get_device_props = lambda device=None: dict(_H100_PROPS)
         utils.supports_tma = lambda device=None: False
         mod._gemm_fp8_kernel.__dict__["do_bench"] = _equal_times
+    return mod
+
+
+def _w8a8_kernels():
+    """The W8A8 kernel module, its autotuned GEMMs answered by the stand-in benchmarker."""
+    import importlib
+
+    mod = importlib.import_module(_W8A8)
+    if not torch.cuda.is_available():
+        for kernel in (mod._linear, mod._linear_add):
+            kernel.__dict__["do_bench"] = _equal_times
     return mod
 
 
@@ -224,4 +252,98 @@ class LMDeployOnlineBlockedFp8(_LMDeploy, FixedAmaxFloor, Peer):
         return self._quantized(layer.weight.data, layer.weight_scale_inv.data, scheme)
 
 
-PEERS = (LMDeployQuantFp8(), LMDeployBlockedGemm(), LMDeployOnlineBlockedFp8())
+class LMDeployW8A8PerTokenQuant(_LMDeploy, TritonPeer):
+    name = "lmdeploy-w8a8-per-token-quant"
+    entry = f"{_W8A8}.per_token_quant_int8 (quant_dtype=float8_e4m3fn / float8_e5m2, as TritonLinearW8A8Impl calls it)"
+    modules = (_W8A8,)
+    notes = "s = max(amax, eps)/448 fp32 (eps an argument: 1e-7 in TritonLinearW8A8Impl); codes = x / s, stored to fp8"
+    ops = ("quantize",)
+
+    def _supports(self, case: Case) -> str | None:
+        s = self._case_scheme(case)
+        if s.format not in _FORMATS or s.qmax != s.format.max:
+            return "e4m3fn or e5m2 (quant_dtype), clamped at the format's max"
+        if s.granularity is not Granularity.ROW:
+            return f"one scale per token (row), not {s.granularity.value}"
+        if not s.dynamic:
+            return "dynamic scales only"
+        if s.amax_floor <= 0:
+            return "eps > 0 (TritonLinearW8A8Impl passes 1e-7)"
+        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
+            return "plain fp32 scales"
+        return None
+
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        if scale is not None:
+            raise ValueError(f"{self.name}: dynamic scales only")
+        q, s = self.call(_w8a8_kernels().per_token_quant_int8, x.contiguous(), scheme.amax_floor,
+                         quant_dtype=scheme.format.torch_dtype)
+        return self._quantized(q, s, scheme)
+
+
+class LMDeployW8A8ScaledMM(_LMDeploy, TritonPeer):
+    name = "lmdeploy-w8a8-scaled-mm"
+    entry = (f"{_W8A8}.matmul_kernel_dynamic_quant (TritonLinearW8A8Impl; tensor-wise scales expanded as "
+             "matmul_kernel_static_quant does)")
+    modules = (_W8A8,)
+    notes = "acc = dot(a, b) fp32; acc * s_a * s_w fp32, stored in out_dtype; then c += bias in torch (second rounding)"
+    ops = ("scaled_mm",)
+    output_roundings = 2
+
+    def _supports(self, case: Case) -> str | None:
+        a, w = case.recipe.activation, case.recipe.weight
+        if case.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"out_dtype {case.out_dtype}"
+        if a.format != w.format or a.format not in _FORMATS:
+            return "both operands e4m3fn (or both e5m2): the weight's dtype is the quant_dtype"
+        for s in (a, w):
+            if s.granularity not in (Granularity.TENSOR, Granularity.ROW):
+                return f"per-token / per-channel scale vectors (or one scale expanded), not {s.granularity.value}"
+        if a.scale_dtype != torch.float32 or w.scale_dtype != torch.float32:
+            return "fp32 scale vectors"
+        return None
+
+    def scaled_mm(self, a: Quantized, b: Quantized, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+        m, n = a.data.shape[0], b.data.shape[0]
+        sa = a.scale.reshape(-1).expand(m).contiguous()
+        sb = b.scale.reshape(-1).expand(n).contiguous()
+        return self.call(_w8a8_kernels().matmul_kernel_dynamic_quant, a.data.contiguous(), b.data.contiguous(), sa,
+                         sb, bias=bias, output_dtype=out_dtype)
+
+
+class LMDeploySmoothQuantWeights(_LMDeploy, Peer):
+    name = "lmdeploy-smooth-quant-fp8-weights"
+    entry = (f"{_W8A8_WEIGHTS}.per_channel_quant (QLinear.from_float: lmdeploy lite smooth_quant "
+             "--quant-dtype fp8 / float8_e5m2)")
+    modules = (_W8A8_WEIGHTS,)
+    notes = "x.float(); s = amax/448 fp32 per output channel, no floor; codes = cast(clamp(x / s))"
+    ops = ("quantize",)
+
+    def supports(self, case: Case) -> str | None:
+        s = self._case_scheme(case)
+        if s.format not in _FORMATS or s.qmax != s.format.max:
+            return "e4m3fn or e5m2 (quant_dtype), clamped at the format's max"
+        if s.granularity is not Granularity.ROW:
+            return f"one scale per output channel (row), not {s.granularity.value}"
+        if not s.dynamic:
+            return "the weight's scale is computed from the weight (dynamic)"
+        if s.amax_floor != 0:
+            return "no amax floor in the source"
+        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
+            return "plain fp32 scales"
+        if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"weight dtype {case.x_dtype}"
+        return None
+
+    def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
+        import importlib
+
+        if scale is not None:
+            raise ValueError(f"{self.name}: the weight's scale is computed from the weight")
+        per_channel_quant = importlib.import_module(_W8A8_WEIGHTS).per_channel_quant
+        q, s = per_channel_quant(x.contiguous(), scheme.format.torch_dtype)
+        return self._quantized(q, s, scheme)
+
+
+PEERS = (LMDeployQuantFp8(), LMDeployBlockedGemm(), LMDeployOnlineBlockedFp8(), LMDeployW8A8PerTokenQuant(),
+         LMDeployW8A8ScaledMM(), LMDeploySmoothQuantWeights())
