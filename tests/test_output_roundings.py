@@ -243,3 +243,49 @@ def test_three_rounding_bound_holds_on_adversarial_inputs(out_dtype):
             y_true = xl.double() @ w.double().T + bias.double()
             assert float(((yl.double() - y_true).abs() / bl).max()) <= 1.0
     assert worst <= 1.0, f"worst error/bound {worst:.3f}"
+
+
+E5M2 = QuantScheme(format="e5m2", granularity="tensor", dynamic=False)
+
+
+def test_an_accumulator_rounded_in_the_subnormal_range_needs_the_absolute_term():
+    """E5M2 subnormal codes whose exact accumulator 127 * 2**-32 is just below half of fp16's smallest
+    subnormal (2**-25): rounding it to fp16 gives 0, and the scales sa = sb = 2**20 carry that
+    absolute error to 32512 -- all of y. The two-rounding bound's eta_o/2 * |sa sb| term covers it,
+    nearly reached; the one-rounding bound does not."""
+    codes = [3 * 2.0**-16] * 14 + [2.0**-16]
+    a = Quantized(torch.tensor([codes]).to(torch.float8_e5m2), torch.tensor([[2.0**20]]), E5M2)
+    b = Quantized(torch.tensor([[3 * 2.0**-16] * 14 + [2.0**-16]]).to(torch.float8_e5m2), torch.tensor([[2.0**20]]),
+                  E5M2)
+    y = ThreeRoundings().scaled_mm(a, b, None, torch.float16)  # no bias: two roundings
+    assert float(y) == 0.0
+    assert 0.9 <= _ratio(y, a, b, None, torch.float16, 2) <= 1.0
+    assert _ratio(y, a, b, None, torch.float16, 1) > 1.0
+
+
+@pytest.mark.parametrize("exp", [-40, -60, -75])
+def test_three_rounding_bound_holds_with_tiny_scales(exp):
+    """Scales small enough that fp32 products can underflow (the bound's underflow term is on) and
+    bf16 results in or near bf16's subnormal range."""
+    g = torch.Generator().manual_seed(exp)
+    be = ThreeRoundings()
+    for recipe in fp8ref.RECIPES.values():
+        x, w = torch.randn(4, 64, generator=g), torch.randn(6, 64, generator=g)
+        qa, qb = quantize(x, recipe.activation), quantize(w, recipe.weight)
+        qa = Quantized(qa.data, qa.scale * 2.0**exp, qa.scheme)
+        qb = Quantized(qb.data, qb.scale * 2.0**exp, qb.scheme)
+        bias = (-scaled_mm_exact(qa, qb)[0][0]).to(torch.bfloat16)
+        for b in (None, bias):
+            assert _ratio(be.scaled_mm(qa, qb, b, torch.bfloat16), qa, qb, b, torch.bfloat16, 3) <= 1.0
+
+
+def test_growth_beyond_the_unused_allowance():
+    """The absolute error of an intermediate rounding needs an explicit growth factor only where the
+    fp32 epilogue's gamma_{nseg+3} exceeds u_o (docs/spec.md §5.2)."""
+    from fp8ref.spec.bounds import U_FP32, _growth, gamma
+
+    u16, ubf = 2.0**-11, 2.0**-8
+    assert _growth(U_FP32, u16, 8185) == 1.0 and _growth(U_FP32, u16, 8186) == 1 + gamma(8189, U_FP32)
+    assert _growth(U_FP32, ubf, 65277) == 1.0 and _growth(U_FP32, ubf, 65278) > 1.0
+    assert _growth(U_FP32, U_FP32, 10**6) == 1.0  # fp32 out of an fp32 epilogue: exact
+    assert _growth(0.0, U_FP32, 10**6) == 1.0  # the exact pipeline's float64 epilogue

@@ -550,8 +550,8 @@ def _growth(u_acc: float, u_o: float, nseg: int) -> float:
     relative error and errs by at most |v| (0 is a neighbour): its unused relative allowance u_o |v|
     covers the growth theta |error| when theta <= u_o. theta is gamma_{nseg+3}(u32) after an fp32
     epilogue (gamma_{nseg+2}(u64) after the exact pipeline's float64 one); an output dtype at least
-    as precise as the pipeline rounds nothing. Otherwise (fp16 with nseg > 8188, bf16 with
-    nseg > 65532) the growth is bounded directly: 1 + theta.
+    as precise as the pipeline rounds nothing. Otherwise (fp16 with nseg > 8185, bf16 with
+    nseg > 65277) the growth is bounded directly: 1 + theta.
     """
     u_pipe, theta = (U_FP64, gamma(nseg + 2, U_FP64)) if u_acc == 0 else (U_FP32, gamma(nseg + 3, U_FP32))
     return 1 + theta if u_o > u_pipe and theta > u_o else 1.0
