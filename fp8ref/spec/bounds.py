@@ -479,7 +479,7 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
         raise ValueError(f"y_ref must be the reference's float64 [M, N] result, got {y_ref.dtype} "
                          f"{tuple(y_ref.shape)}")
 
-    def scale_mass() -> torch.Tensor:  # only for two output roundings
+    def scale_mass() -> torch.Tensor:  # only for two or more output roundings
         return sum((torch.outer(scale_column(a, k0), scale_column(b, k0)).abs() for k0, _ in segs),
                    torch.zeros((), dtype=torch.float64, device=mass.device))
 
