@@ -106,6 +106,8 @@ def test_output_roundings_must_be_an_int_of_at_least_one(bad):
 
     with pytest.raises(ValueError, match=r"test-bad-output-roundings.*output_roundings"):
         register_backend(Bad())
+    with pytest.raises(ValueError, match="output_roundings"):  # unregistered: check() refuses it too
+        check(Bad(), "ci", contracts=["scaled_mm.bound"])
     with pytest.raises(KeyError):
         fp8ref.get_backend("test-bad-output-roundings")
 
