@@ -454,9 +454,10 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     term it rounds by (1 + delta), |delta| <= u_o, and errs by at most eta_o/2 absolutely (times the
     segment's |sa sb| when the scales follow), an error the later ones scale by (1 + u_o) each. With
     s = sum_{i < k-1} (1 + u_o)^i (s = 1 for k = 2; (1 + u_o)^(k-1) - 1 = u_o s) they add
-    u_o s (1 + g) P + (eta_o/2)(1 + sum_g |sa sb|) s (u_o s (P + D) for dequantize-then-GEMM; the
-    underflow term, where present, joins the rounded magnitude) -- for k = 2 the two-rounding bound
-    term for term (docs/spec.md §5.2, "More than one output rounding").
+    u_o s (1 + g) P + (eta_o/2)(1 + sum_g |sa sb|) s (u_o s (P + E) for dequantize-then-GEMM; the
+    underflow term, where present, joins the rounded magnitude; the absolute term times
+    ``_growth``'s 1 + theta past its nseg limits) -- for k = 2 the two-rounding bound term for term
+    (docs/spec.md §5.2, "More than one output rounding").
     The final rounding adds u_o (|y*| + E') + eta_o/2, and |y*| <= |y_ref| + E_ref. Finally the
     reference's own deviation E_ref (``reference_gemm_error_bound``) is added, because the
     comparison is against y_ref, not y*.
