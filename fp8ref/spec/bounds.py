@@ -190,8 +190,8 @@ def precision_class(accumulation: Accumulation, output_roundings: int) -> Precis
     -----
     exact: exact accumulation and one rounding; strict: fp32 or better and one rounding; standard:
     fp32 or better and at most two roundings; fast: everything else -- a coarser accumulator, or three
-    or more output roundings (each one past the second adds about u_o |y| to the bound, beyond what a
-    caller asking for ``standard`` accepted; docs/spec.md §5.3).
+    or more output roundings (each one past the second adds about u_o |acc sa sb| to the bound, beyond
+    what a caller asking for ``standard`` accepted; docs/spec.md §5.3).
     """
     check_output_roundings(output_roundings)
     u = accumulation.unit_roundoff
