@@ -4,7 +4,8 @@ saturating quantization (docs/findings.md, findings 29-32).
 29. f32 -> f8e4m3 / f8e5m2 rounds twice, through fp16 (``Convert`` and ``FakeConvert``, hence the ONNX
     frontend's ``QuantizeLinear``): a value just above an FP8 midpoint is first rounded onto it,
     then the tie goes to the even neighbour.
-30. ``Convert`` to f8e4m3 does not saturate: a value that rounds past 448 is NaN (Inf too).
+30. ``Convert`` to FP8 does not saturate: a value that rounds past 448 is NaN in f8e4m3 (Inf too), past
+    57344 Inf in f8e5m2.
 31. ``FakeConvert`` (and so ONNX ``QuantizeLinear``) turns NaN into -448, the most negative code,
     where ONNX's specification keeps NaN.
 32. ``Divide(x, s)`` is computed as ``x * (1 / s)``: for a subnormal scale the reciprocal is Inf,
@@ -26,6 +27,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1}
 E4M3_448 = 0x7E  # the largest finite E4M3FN code (448)
+E5M2_57344 = 0x7B  # the largest finite E5M2 code (57344)
 
 
 def _run(model, *inputs):
@@ -62,10 +64,13 @@ def test_f32_to_fp8_rounds_once():
         f"bytes {hex(e4m3[0, 0])}, {hex(e5m2[0, 0])}, {hex(onnx_q[0, 0])}: rounded to the even code twice"
 
 
-@pytest.mark.xfail(strict=True, reason="openvino-convert-f8e4m3-overflow-nan: Convert does not saturate")
-def test_convert_to_f8e4m3_saturates():
-    codes = _convert(np.array([[448.0, 500.0, 1e9, np.inf]], np.float32), ov.Type.f8e4m3)
-    assert codes.tolist() == [[E4M3_448] * 4], f"bytes {[hex(c) for c in codes[0]]} (0x7f is NaN)"
+@pytest.mark.xfail(strict=True, reason="openvino-convert-fp8-overflow: Convert does not saturate")
+def test_convert_to_fp8_saturates():
+    e4m3 = _convert(np.array([[448.0, 500.0, 1e9, np.inf]], np.float32), ov.Type.f8e4m3)
+    e5m2 = _convert(np.array([[57344.0, 64000.0, np.inf]], np.float32), ov.Type.f8e5m2)
+    got = [[hex(c) for c in e4m3[0]], [hex(c) for c in e5m2[0]]]
+    assert e4m3.tolist() == [[E4M3_448] * 4] and e5m2.tolist() == [[E5M2_57344] * 3], \
+        f"bytes {got} (E4M3 0x7f is NaN, E5M2 0x7c is Inf)"
 
 
 @pytest.mark.xfail(strict=True, reason="openvino-fakeconvert-nan: NaN becomes -448 (openvino PR #28651 clamps NaN)")
