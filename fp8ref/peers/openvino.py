@@ -17,10 +17,14 @@ the machine. ``INFERENCE_NUM_THREADS=1``: deterministic, and the machine has two
   decompression in the compiled model), the activation an ``f8`` input converted and scaled the same
   way, ``MatMul(transpose_b)``, ``Add(bias)``, all f32.
 
-Both quantizers convert f32 -> FP8 with the plugin's JIT kernel (``cpu_convert.cpp``:
-``jit_convert_array`` with oneDNN's ``fp8_emulation_e4m3_t`` / ``_e5m2_t``), which goes through fp16
-on this CPU; OpenVINO's reference conversion (``src/core/src/type/float8_e4m3.cpp``) rounds once.
-``Convert`` to f8e4m3 does not saturate (overflow and Inf are NaN); ``FakeConvert`` clamps.
+Both quantizers convert f32 -> FP8 in the plugin's ``Convert`` node
+(``src/plugins/intel_cpu/src/nodes/common/cpu_convert.cpp``: oneDNN's FP8 emulation where AVX-512 is
+available, ``ov::float8_e4m3`` / ``_e5m2`` otherwise), through fp16: a two-step conversion OpenVINO
+chose on purpose (openvino PR #28501), where fp8ref's spec rounds once. ``Convert`` does not saturate
+(f8e4m3: overflow and Inf are NaN; f8e5m2: Inf). The plugin decomposes ``FakeConvert`` into
+``Multiply``, ``Clamp`` (openvino PR #28651; it also turns NaN into -448), the two ``Convert`` and a
+``Divide``, and rewrites every ``Divide(x, s)`` as ``x * Power(s, -1)``: the codes are
+``fl32(x * fl32(1 / s))``, declared (``multiply_codes``).
 Input enters as fp32 (exact for bf16/fp16); GEMM outputs leave as fp32 and are rounded once to the
 output dtype by torch (as for ``onnxruntime-qdq``).
 """
