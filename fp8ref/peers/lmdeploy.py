@@ -18,9 +18,10 @@ output dtype. Read from ``lmdeploy/pytorch/kernels/cuda/blocked_gemm_fp8.py``:
 * ``blocked_gemm_fp8`` (Triton, ``_gemm_fp8_kernel``; Hopper takes the TMA variant with the same
   arithmetic): the fp32 accumulator is kept in units of the current K tile's scale product
   ``s_k = a_s[k] * b_s[k]``: per tile ``acc = dot(a_k, b_k) + acc * (s_(k-1) / s_k)`` and at the end
-  ``c = acc * s_last``, rounded once to the output dtype. One weight scale is read per BLOCK_N
-  output tile (64 or 128 by autotuning), so weight blocks must be a multiple of 128 wide in N;
-  the K tile is the scale block (``max`` of the activation and weight groups, which must agree).
+  ``c = acc * s_last``, rounded once to the output dtype; a zero or tiny scale product makes
+  ``1 / s`` infinite and the output NaN (docs/findings.md, finding 21). One weight scale is read per
+  BLOCK_N output tile (64 or 128 by autotuning), so weight blocks must span a multiple of 128 rows
+  (N); the K tile is the scale block (``max`` of the activation and weight groups, which must agree).
 
 The online weight quantization (``BlockedF8Linear.weight_loader_with_quant``: a checkpoint tensor
 whose dtype is not the parameter's FP8 dtype) calls ``quant_blocked_fp8``
@@ -50,9 +51,9 @@ program handles and nothing else), answered with an H100's; ``supports_tma`` ask
 Triton driver (none under the interpreter) and is answered False, the path pre-Hopper GPUs take;
 the GEMMs are ``triton.autotune``-d over two tile shapes and the autotuner times each on the active
 driver: a stand-in benchmarker reports equal times, so the first configuration runs (blocked GEMM:
-BLOCK_M = 64, BLOCK_N = 128; W8A8 GEMM: 128 x 256 x 128), the same on every machine. The kernels also need the
-interpreter patch's integer-mask fix (``triton_interpreter.py``: ``quant_fp8`` combines a block
-mask with a scalar row condition).
+BLOCK_M = 64, BLOCK_N = 128; W8A8 GEMM: 128 x 256 x 128), the same on every machine. The blocked
+kernels also need the interpreter patch's int1 comparisons (``triton_interpreter.py``: they combine
+block masks with scalar conditions, ``m_id < M`` and ``k_start < K``).
 """
 
 from __future__ import annotations
