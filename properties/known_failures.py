@@ -100,6 +100,20 @@ KNOWN_FAILURES: list[dict] = [
         "test": "tests/test_peers_triton_interpreter.py::test_unpatched_fp8_upcast_still_loses_nan",
     },
     {
+        "id": "triton-interp-scalar-mask",
+        "backend": "triton",
+        "applies": "TRITON_INTERPRET=1 (triton 3.9)",
+        "what": "a mask combining a block condition with a scalar comparison ((o < n) & (row < rows)) is an int32 "
+                "array: tl.load and tl.store raise ValueError('mask has unsupported dtype')",
+        "link": None,
+        "reason": "no upstream report found (searched triton-lang/triton issues for the message and for interpreter "
+                  "masks with a scalar condition); the interpreter's binary_op labels a comparison with its operands' "
+                  "dtype instead of int1 and splat converts the data to that dtype; "
+                  "fp8ref.peers.triton_interpreter.correct_downcasts() labels comparisons int1 (LMDeploy's quant_fp8 "
+                  "needs it)",
+        "test": "tests/test_peers_triton_interpreter.py::test_unpatched_scalar_condition_in_a_block_mask_still_raises",
+    },
+    {
         "id": "triton-interp-bf16-dot",
         "backend": "triton",
         "applies": "TRITON_INTERPRET=1 (triton 3.9)",
@@ -233,12 +247,85 @@ KNOWN_FAILURES += [
         link=None, reason="no upstream report found; the CUDA kernel has the same rule (Model-Optimizer PR #381)",
         test=_F + "test_modelopt_fp8.py::test_a_tiny_block_keeps_its_values"),
     *_peer_entries(
+        "openvino-f8-via-f16", "openvino-onnx-qdq", ("quantize.codes", "quantize.exact_on_pow2_scale"),
+        applies="openvino 2026.4.1, CPU plugin (x86-64 JIT), f32 -> f8e4m3 / f8e5m2 (FakeConvert in the ONNX "
+                "frontend's QuantizeLinear)",
+        what="f32 -> FP8 is rounded twice, through fp16: 1.0625 + 2**-20 gives 1.0 (RNE: 1.125)",
+        link="https://github.com/openvinotoolkit/openvino/pull/28501",
+        reason="by design since openvino PR #28501 (2-step f32 -> f16 -> f8 conversion, to match oneDNN's "
+               "fp8 emulation; oneDNN PR #2361 documents it); OpenVINO's earlier reference rounded once",
+        test=_F + "test_openvino_fp8.py::test_f32_to_fp8_rounds_once"),
+    *_peer_entries(
+        "openvino-f8-via-f16-convert", "openvino-convert", ("quantize.codes",),
+        applies="openvino 2026.4.1, CPU plugin (x86-64 JIT), Convert f32 -> f8e4m3 / f8e5m2",
+        what="f32 -> FP8 is rounded twice, through fp16 (the same conversion as openvino-f8-via-f16)",
+        link="https://github.com/openvinotoolkit/openvino/pull/28501",
+        reason="by design since openvino PR #28501 (2-step f32 -> f16 -> f8 conversion)",
+        test=_F + "test_openvino_fp8.py::test_f32_to_fp8_rounds_once"),
+    *_peer_entries(
+        "openvino-convert-fp8-overflow", "openvino-convert",
+        ("quantize.exact_on_pow2_scale", "quantize.sign_symmetry"),
+        applies="openvino 2026.4.1, Convert to f8e4m3 / f8e5m2 (CPU plugin), a static scale that x / s overflows",
+        what="Convert does not saturate: a value that rounds past 448 (and Inf) becomes NaN in f8e4m3, past "
+             "57344 Inf in f8e5m2",
+        link=None,
+        reason="no upstream report found (searched openvino issues and PRs: f8e4m3 Convert overflow NaN "
+               "saturation); Convert is non-saturating by design (openvino PR #28651 adds the clamp to "
+               "FakeConvert's decomposition only; oneDNN PR #3675 to saturate was closed)",
+        test=_F + "test_openvino_fp8.py::test_convert_to_fp8_saturates"),
+    *_peer_entries(
+        "openvino-fakeconvert-nan", "openvino-onnx-qdq", (),
+        applies="openvino 2026.4.1, FakeConvert on the CPU plugin (the ONNX frontend's QuantizeLinear)",
+        what="NaN becomes -448 (E4M3) or -57344 (E5M2), the most negative finite code; ONNX keeps NaN",
+        link="https://github.com/openvinotoolkit/openvino/pull/28651",
+        reason="FakeConvert clamps NaN as well as overflow (openvino PR #28651, by design); fp8ref's spec raises "
+               "on NaN input, so no contract sees it directly: it shows through openvino-divide-reciprocal-"
+               "subnormal",
+        test=_F + "test_openvino_fp8.py::test_quantize_linear_keeps_nan"),
+    *_peer_entries(
+        "openvino-divide-reciprocal-subnormal", "openvino-onnx-qdq", ("quantize.sign_symmetry",),
+        applies="openvino 2026.4.1, CPU plugin, a subnormal scale (subnormal scales kept, no amax floor)",
+        what="Divide(x, s) runs as x * (1 / s): for a subnormal s the reciprocal is Inf, 0 / s is NaN, "
+             "which QuantizeLinear turns into -448",
+        link=None,
+        reason="no upstream report found (searched openvino issues and PRs: Divide reciprocal Power denormal); "
+               "the ConvertDivide transformation rewrites Divide as Multiply(x, Power(s, -1))",
+        test=_F + "test_openvino_fp8.py::test_division_by_a_subnormal_scale"),
+    *_peer_entries(
         "sglang-scaled-mm-bias-rounding", "sglang-scaled-mm", (),
         applies="sglang 0.5.23 triton_scaled_mm with a bias",
         what="the bias is added after rounding acc * scales to the output dtype: two roundings (vLLM's copy adds "
              "it to the fp32 accumulator)",
         link=None, reason="no upstream report found; certified as declared (output_roundings=2, standard class)",
         test=_F + "test_sglang_scaled_mm_bias.py::test_bias_is_added_before_the_output_rounding"),
+    *_peer_entries(
+        "lmdeploy-blocked-gemm-scale-reciprocal", "lmdeploy-blocked-gemm",
+        ("scaled_mm.bound", "scaled_mm.all_written", "scaled_mm.finite", "scaled_mm.sign_symmetry"),
+        applies="lmdeploy 0.18.0 blocked_gemm_fp8 (TritonLinearBlockedF8Impl), a K-tile scale product a_s * b_s "
+                "of 0 or at most 2**-128",
+        what="the accumulator is rescaled by 1 / s_0 and s_(k-1) / s_k (s_k = a_s * b_s of K tile k): a zero "
+             "weight-block scale or a product whose reciprocal overflows fp32 gives 0 * inf = NaN outputs",
+        link=None, reason="no upstream report found (searched InternLM/lmdeploy issues and pull requests for "
+                          "blocked_gemm_fp8, blocked fp8 NaN, weight_scale_inv zero); the kernel carries its "
+                          "accumulator in units of the current tile's scale product instead of adding "
+                          "dot * a_s * b_s",
+        test=_F + "test_lmdeploy_blocked_gemm.py::test_zero_weight_block_scale_contributes_zero"),
+    *_peer_entries(
+        "lmdeploy-smooth-quant-zero-channel-nan", "lmdeploy-smooth-quant-fp8-weights",
+        ("quantize.codes", "quantize.scale", "quantize.sign_symmetry"),
+        applies="lmdeploy 0.18.0 per_channel_quant (QLinear.from_float: lite smooth_quant --quant-dtype fp8)",
+        what="an all-zero output channel gets scale 0 and NaN codes (0/0)",
+        link=None, reason="no issue or pull request found (searched InternLM/lmdeploy: per_channel_quant, smooth_quant "
+                          "fp8 NaN, zero scale; related: lmdeploy#3318 'Using Smooth Quant to perform FP8 quantization "
+                          "corrupts the model', open); a later revision of w8a8_kernels.py in the public code index "
+                          "clamps the scale at finfo(float32).tiny ('A zero channel otherwise produces 0 / 0')",
+        test=_F + "test_lmdeploy_w8a8.py::test_all_zero_output_channel_quantizes_to_zero_codes"),
+    *_peer_entries(
+        "lmdeploy-w8a8-bias-rounding", "lmdeploy-w8a8-scaled-mm", (),
+        applies="lmdeploy 0.18.0 matmul_kernel_dynamic_quant with a bias (TritonLinearW8A8Impl)",
+        what="the bias is added after rounding acc * scales to the output dtype (c += bias): two roundings",
+        link=None, reason="no upstream report found; certified as declared (output_roundings=2, standard class)",
+        test=_F + "test_lmdeploy_w8a8.py::test_bias_is_added_before_the_output_rounding"),
 ]
 
 def known_failure(id: str) -> dict:
