@@ -71,6 +71,9 @@ def test_conventions_are_filled_in_and_defects_are_not():
     assert online.reciprocal_scale and online.multiplier_by_reciprocal and online.multiply_codes  # input_to_float8
     assert not get_peer("sglang-online-w8a8").conventions(QuantScheme(granularity="tensor", dynamic=False),
                                                           torch.float16).reciprocal_scale
+    qf = get_peer("vllm-quantfp8-native")
+    assert qf.conventions(QuantScheme(), torch.bfloat16).multiply_codes  # per token: x * scale.reciprocal()
+    assert not qf.conventions(QuantScheme(granularity="group", group_size=128), torch.bfloat16).multiply_codes
     fx = get_peer("flax-fp8-ops").conventions(QuantScheme(granularity="tensor"), torch.bfloat16)
     assert fx.reciprocal_scale and fx.subnormal_scales and fx.scale_dtype == torch.bfloat16 and fx.amax_floor == 0
     mx = get_peer("jax-mxfp8").conventions(QuantScheme(granularity="group", group_size=32), torch.float32)

@@ -244,7 +244,10 @@ class VLLMQuantFP8Native(_VLLM, Peer):
 
     def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
         # the floor is fixed in the source (_FP8_MIN_SCALING_FACTOR); any positive floor maps to it
-        return scheme.with_(amax_floor=self.eps) if scheme.amax_floor > 0 else scheme
+        s = scheme.with_(amax_floor=self.eps) if scheme.amax_floor > 0 else scheme
+        if s.dynamic and s.granularity in (Granularity.TENSOR, Granularity.ROW) and s.standard_scale_rule:
+            return s.with_(multiply_codes=True)  # per token / tensor: x.float() * scale.reciprocal()
+        return s
 
     def supports(self, case: Case) -> str | None:
         s = self._case_scheme(case)
@@ -256,7 +259,9 @@ class VLLMQuantFP8Native(_VLLM, Peer):
             return f"per token, per tensor or 1 x G groups, not {s.granularity.value}"
         if s.amax_floor != self.eps:
             return f"the source's floor is amax >= {self.eps:g}"
-        if s.scale_dtype != torch.float32 or not s.standard_scale_rule:
+        if s.multiply_codes != (s.granularity is not Granularity.GROUP):
+            return "codes x * (1/s) per token and per tensor (multiply_codes), x / s per group"
+        if s.scale_dtype != torch.float32 or not s.with_(multiply_codes=False).standard_scale_rule:
             return "plain fp32 scales"
         if s.pow2_scale and s.granularity is not Granularity.GROUP:
             return "ue8m0 scales on the group path only"
