@@ -6,6 +6,10 @@ GPU gets right. Standalone reproductions, no fp8ref; each fails today (strict xf
   and a carry out of the mantissa is ORed into the exponent instead of added (fix PR#11897):
   124, 125 and 127.9 all become 64.
 * fp32 -> bf16 truncates instead of rounding to nearest even.
+* bf16 -> fp32 of a subnormal: ``_convert_float`` renormalizes it for a wider exponent range, which
+  fp32 (bf16's exponent width) does not have, then clamps the exponent at 0: 1.1e-39 (3 * 2**-130)
+  becomes 2**-127 and 2**-127 becomes 0 (no upstream report found; searched triton-lang/triton
+  issues for interpreter bf16/fp32 conversion and subnormals).
 * ``+`` on two bf16 tensors adds their uint16 bit patterns (triton#10919; PR#10945 closed unmerged).
 * fp8 -> fp32 decodes NaN and Inf codes as finite numbers (E4M3FN 0x7F -> 480, E5M2 0x7C -> 65536,
   E4M3FNUZ 0x80 -> -0): a NaN code disappears inside ``tl.dot`` (no upstream report found for the
@@ -110,6 +114,16 @@ def test_fp32_to_fp8_rounds_to_nearest_even(fmt):
 def test_fp32_to_bf16_rounds_to_nearest_even():
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     assert torch.equal(cast(x, torch.bfloat16, tl.bfloat16), x.to(torch.bfloat16))
+
+
+@pytest.mark.xfail(strict=True, reason="triton-interp-bf16-subnormal-upcast: no upstream report found")
+def test_bf16_subnormal_to_fp32_is_exact():
+    # every positive bf16 subnormal (0x0001 .. 0x007F); widening to fp32 is exact for each
+    x = torch.arange(1, 128, dtype=torch.int16).view(torch.bfloat16)
+    got = cast(x, torch.float32, tl.float32)
+    bad = got != x.float()
+    assert not bool(bad.any()), (f"{int(bad.sum())} of {x.numel()} bf16 subnormals widen wrongly, e.g. "
+                                 f"{x[bad][:3].float().tolist()} -> {got[bad][:3].tolist()}")
 
 
 @pytest.mark.xfail(strict=True, reason="triton-interp-bf16-arith: triton#10919 (PR#10945 closed unmerged)")
