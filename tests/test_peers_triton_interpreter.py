@@ -87,6 +87,23 @@ def test_unpatched_fp8_upcast_still_loses_nan(name, tdt, ttl):
     assert _upcast_ok(tdt)
 
 
+def _bf16_subnormal_upcast_ok() -> bool:
+    x = torch.arange(1, 128, dtype=torch.int16).view(torch.bfloat16)  # every positive bf16 subnormal
+    return torch.equal(REPRO.cast(x, torch.float32, tl.float32), x.float())
+
+
+@needs_interpreter
+def test_patched_bf16_subnormal_upcast_is_exact():
+    with correct_downcasts():
+        assert _bf16_subnormal_upcast_ok() and _bf16_cast_ok()
+
+
+@needs_interpreter
+@LEDGER.xfail("triton-interp-bf16-subnormal-upcast")
+def test_unpatched_bf16_subnormal_upcast_still_wrong():
+    assert _bf16_subnormal_upcast_ok()
+
+
 @needs_interpreter
 def test_patched_bf16_cast_and_arithmetic():
     with correct_downcasts(), correct_downcasts():  # re-entrant

@@ -12,6 +12,8 @@ these things wrong that a GPU gets right (``properties/known_failures.py``):
 * bf16 values are held as uint16 and ``+ - * /`` on two bf16 tensors operate on the bit patterns
   (``c = acc.to(bf16); c += bias`` returns ~1e38);
 * fp8 -> wider upcasts decode NaN and Inf codes as finite numbers (0x7F E4M3FN -> 480);
+* bf16 -> fp32 of a subnormal is renormalized for an exponent range fp32 does not have: every bf16
+  subnormal widens wrongly (2**-127 -> 0);
 * a comparison's result is labelled with its operands' dtype (int32) instead of int1; splatted to
   a block (a scalar condition such as ``row < M`` combined with a block mask) it becomes an int32
   array, which ``tl.load`` and ``tl.store`` reject ("mask has unsupported dtype").
@@ -26,12 +28,13 @@ A kernel certified under the unpatched interpreter would be blamed for Triton's 
 * fp8 -> fp16/bf16/fp32 (what ``tl.dot`` on FP8 operands does first) keeps NaN and Inf codes
   (the interpreter turns E4M3FN's NaN 0x7F into 480, E5M2's Inf into 65536, E4M3FNUZ's NaN 0x80
   into -0, so a NaN code vanishes inside a GEMM);
+* bf16 -> fp32 is exact (the bf16 bits become the fp32's high half), subnormals included;
 * a binary op on bf16 operands is computed on their fp32 values and rounded to nearest even once,
   which is the correctly rounded bf16 result (fp32 holds more than 2 * 8 + 2 bits, so the double
   rounding is innocuous) -- what ``add.rn.bf16`` and friends return on a GPU;
 * a comparison is an int1 tensor, as the compiler types it.
 
-Anything else (bf16/fp16 -> fp32 upcasts, round-toward-zero requests, fp8e4b15) goes to Triton's own code. The
+Anything else (fp16 -> fp32 upcasts, round-toward-zero requests, fp8e4b15) goes to Triton's own code. The
 patch is undone on exit and is not thread-safe (the interpreter is single-threaded anyway).
 ``tests/test_peers_triton_interpreter.py`` runs the same checks with and without the patch: the
 unpatched runs are strict xfails, so the patch is removed when Triton is fixed.
@@ -87,6 +90,8 @@ def _make_convert(original):
     rtne = (None, _ir.ROUNDING_MODE.RTNE)
 
     def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.bfloat16 and output_dtype == tl.float32:  # exact: bf16 is fp32's high half
+            return (np.asarray(input).astype(np.uint32) << np.uint32(16)).reshape(np.shape(input))
         if input_dtype in fp8 and output_dtype.primitive_bitwidth > 8:  # upcast: exact, NaN/Inf kept
             vals = np.asarray(input).astype(np.uint8).view(fp8[input_dtype]).astype(np.float32)
             out = {tl.float16: lambda v: v.astype(np.float16).view(np.uint16),
