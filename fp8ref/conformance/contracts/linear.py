@@ -61,9 +61,10 @@ def _linear(backend: Backend, x, qw: Quantized, w, bias, recipe, out_dtype, scal
     time) and the activations by the backend's own ``linear`` (a fused hook, or the default
     ``scaled_mm(quantize(x))``). A registered backend goes through ``fp8ref.linear(...,
     backend=name)`` itself (static activation schemes, which ``fp8ref.linear`` does not take,
-    through its ``Backend.linear`` hook); any other through ``prepare_weight`` and ``linear``."""
+    through its ``Backend.linear`` hook); any other through ``prepare_weight`` and ``linear``
+    (``prepare_weight`` of the float ``w`` for a backend that declares ``float_weight``)."""
     poison_allocator((x.shape[0], w.shape[0]), x.device)
-    if _registered(backend) and scale is None:
+    if _registered(backend) and scale is None and not backend.float_weight:
         import fp8ref
 
         with backend_threads():
@@ -71,8 +72,7 @@ def _linear(backend: Backend, x, qw: Quantized, w, bias, recipe, out_dtype, scal
                               out_dtype=out_dtype)
         what = "fp8ref.linear"
     else:
-        with backend_threads():
-            prepared = backend.prepare_weight(_to_device(qw, x.device))
+        prepared = _prepare(backend, qw, w)
         y = _backend_linear(backend, x, prepared, bias, out_dtype, recipe.activation, scale)
         what = "linear"
     if not isinstance(y, torch.Tensor):
@@ -113,8 +113,7 @@ def check_linear_matches_two_calls(backend: Backend, p: fst.LinearProblem) -> fl
     scale = p.act_scale(x)
     _ref_quantize(x, p.recipe.activation, scale)
     qw = _ref_quantize(w, p.recipe.weight)
-    with backend_threads():
-        prepared = backend.prepare_weight(_to_device(qw, x.device))
+    prepared = _prepare(backend, qw, w)
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
     qx = _quantize(backend, x, p.recipe.activation, scale)
     with backend_threads():
@@ -125,6 +124,15 @@ def check_linear_matches_two_calls(backend: Backend, p: fst.LinearProblem) -> fl
     if not _same_bits(y1, y2):
         raise ContractViolation(f"linear differs from scaled_mm(quantize): {_first_diff(y1, y2)}")
     return 0.0
+
+
+def _prepare(backend: Backend, qw: Quantized, w: torch.Tensor):
+    """The backend's prepared weight: from the spec's quantization ``qw`` (load time), or from the
+    float ``w`` itself for a layer that quantizes its own weight (``Backend.float_weight``)."""
+    with backend_threads():
+        if backend.float_weight:
+            return backend.prepare_weight(w)
+        return backend.prepare_weight(_to_device(qw, w.device))
 
 
 def _to_device(q: Quantized, device) -> Quantized:
