@@ -2,13 +2,16 @@
 the reference implements each convention as written, and the operand-rounding bound is sound on
 random and adversarial operands and tight on operands built to round the same way."""
 
+import numpy as np
 import pytest
 import torch
 
 import fp8ref
 from fp8ref import Accumulation, PrecisionClass, Quantized, QuantScheme, quantize
-from fp8ref.spec.bounds import gemm_error_bound, precision_class
+from fp8ref.peers import Peer
+from fp8ref.spec.bounds import gemm_error_bound, precision_class, scale_error_bound
 from fp8ref.spec.gemm import scaled_mm_exact
+from fp8ref.spec.quant import compute_scale
 
 RECIPES = list(fp8ref.RECIPES.values())
 
@@ -76,6 +79,114 @@ def test_conventions_appear_in_short_str_and_fast_paths_defer_to_the_reference()
     x[0] = 1
     floorless = s.with_(amax_floor=0.0)
     assert torch.equal(fast_quantize(x, floorless).scale, quantize(x, floorless).scale)
+
+
+def _fp32(v: float) -> np.float32:
+    return np.float32(v)
+
+
+def _reciprocal_scale_np(amax: np.float32, qmax: float, floor: float, zero: float, lowest: float) -> float:
+    """1 / (qmax / max(amax, floor)) as the peers evaluate it, in numpy fp32 (written here, not read
+    from fp8ref): two IEEE fp32 divisions; an Inf multiplier gives 0, which takes the zero-block scale."""
+    with np.errstate(over="ignore", divide="ignore"):
+        m = _fp32(qmax) / np.maximum(amax, _fp32(floor))
+        s = _fp32(1.0) / m
+    return zero if s == 0 else max(float(s), lowest)
+
+
+# every kind of amax: 0, subnormal, where qmax / amax overflows fp32 (amax < qmax / 2**128) and
+# where it does not but 1 / m is subnormal, tiny normal, exactly representable quotients (448, 1),
+# a value whose two roundings differ from the quotient's one, and the largest finite fp32.
+_EDGE_AMAX = (0.0, 2.0**-149, 2.0**-133, 2.0**-126, 2.0**-119, 2.0**-118, 1e-30, 1e-12, 2.0**-9, 0.1, 1.0, 3.0,
+              448.0, 1000.0, 12345.678, 57344.0, 1e30, float(torch.finfo(torch.float32).max))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("floor,subnormal", [(0.0, False), (0.0, True), (1e-12, False)])
+def test_reciprocal_scale_is_the_peers_two_roundings_bit_for_bit(fmt, floor, subnormal):
+    scheme = QuantScheme(format=fmt, amax_floor=floor, reciprocal_scale=True, subnormal_scales=subnormal)
+    qmax = scheme.qmax
+    x = torch.tensor(_EDGE_AMAX, dtype=torch.float32)[:, None] * torch.tensor([[1.0, -0.5, 0.0]])
+    x[:, 1] = -x[:, 0]  # the amax is the row's first element, also with a negative sign
+    got = quantize(x, scheme)
+    fi = torch.finfo(torch.float32)
+    lowest = fi.smallest_normal * (fi.eps / 2 if subnormal else 1)  # smallest subnormal or normal
+    want = [_reciprocal_scale_np(_fp32(a), qmax, floor, 1.0, lowest) for a in _EDGE_AMAX]
+    assert got.scale.flatten().tolist() == want
+    # the codes divide by the stored scale: x ~ q * s within the quantization bound
+    err = (got.dequantize(torch.float64) - x.double()).abs()
+    assert bool((err <= fp8ref.quantization_error_bound(x, got)).all())
+
+
+def test_reciprocal_scale_is_within_one_grid_step_of_the_quotient_and_often_not_equal():
+    """Every fp32 amax of one binade (2**23 values; scaling amax by a power of two scales both forms
+    exactly, so one binade stands for all normal amaxes whose multiplier does not overflow): the two
+    roundings move the scale off the correctly rounded quotient on about a quarter of them, never by
+    more than the one grid step ``quantize.scale`` admits -- so a bit-exact column is what needs
+    the declaration."""
+    x = torch.arange(2**23, dtype=torch.int32).bitwise_or(0x3F800000).view(torch.float32)[:, None]  # [1, 2)
+    quot = compute_scale(x, QuantScheme(amax_floor=0.0))
+    recip = compute_scale(x, QuantScheme(amax_floor=0.0, reciprocal_scale=True))
+    steps = (recip.double() - quot.double()).abs() / scale_error_bound(quot, QuantScheme(amax_floor=0.0))
+    assert float(steps.max()) == 1.0
+    assert 0.2 < float((steps > 0).double().mean()) < 0.35
+
+
+def test_reciprocal_scale_is_declared_validated_and_named():
+    s = QuantScheme(reciprocal_scale=True)
+    assert s.short_str() == "e4m3fn-row-dyn-recip" and "recip" in repr(s)
+    assert not s.standard_scale_rule and s != QuantScheme() and hash(s) != hash(QuantScheme())
+    with pytest.raises(ValueError, match="reciprocal_scale must be a bool"):
+        QuantScheme(reciprocal_scale=1)
+    with pytest.raises(ValueError, match="static scheme"):
+        QuantScheme(reciprocal_scale=True, dynamic=False)
+    with pytest.raises(ValueError, match="computed in fp32"):
+        QuantScheme(reciprocal_scale=True, scale_compute_dtype=torch.bfloat16)
+    from fp8ref.kernels._common import fast_quantize
+
+    x = torch.randn(5, 33)
+    assert torch.equal(fast_quantize(x, s).scale, quantize(x, s).scale)  # the fast path defers
+
+
+class _Reciprocal(Peer):
+    """A quantizer that writes its scale as 1 / (qmax / amax) (``wrong``: as amax / qmax instead)."""
+
+    name, project, distribution, entry, notes = "fake-recip", "fake", "torch", "fake", "s = 1 / (qmax / amax)"
+    ops = ("quantize",)
+    wrong = False
+
+    def conventions(self, scheme, x_dtype):
+        ok = scheme.dynamic and scheme.scale_compute_dtype == torch.float32
+        return scheme.with_(reciprocal_scale=True) if ok else scheme
+
+    def supports(self, case):
+        s = case.recipe.activation
+        ok = (s.granularity.value == "row" and s.dynamic and s.reciprocal_scale and s.scale_dtype == torch.float32
+              and not s.pow2_scale and s.zero_scale == 1.0 and not s.subnormal_scales and s.amax_floor > 0)
+        return None if ok else "row, dynamic, fp32, reciprocal scales with a floor"
+
+    def quantize(self, x, scheme, scale=None):
+        amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=scheme.amax_floor)
+        if self.wrong:
+            s = amax / scheme.qmax
+        else:
+            s = 1 / (torch.full_like(amax, scheme.qmax) / amax)
+        s = s.clamp(min=torch.finfo(torch.float32).smallest_normal)
+        return Quantized((x.float() / s).clamp(-scheme.qmax, scheme.qmax).to(scheme.format.torch_dtype), s, scheme)
+
+
+def test_a_declared_reciprocal_scale_is_bit_exact_and_the_quotient_is_not():
+    from fp8ref.peers.certify import certify_peer
+
+    right = certify_peer(_Reciprocal(), "dev", seed=0, contracts=["quantize.codes", "quantize.bit_exact"])
+    assert right.exact_scales == 100.0 and right.exact_codes == 100.0
+    assert right.report.result("quantize.codes").status == "pass"
+    assert right.report.result("quantize.bit_exact").status == "yes"
+    wrong = _Reciprocal()
+    wrong.wrong = True
+    cert = certify_peer(wrong, "dev", seed=0, contracts=["quantize.bit_exact"])
+    assert cert.exact_scales < 90.0
+    assert cert.report.result("quantize.bit_exact").status == "no"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ For a block B of ``x`` (shape ``[rows, cols]``, blocks from the scheme's granula
 
     amax  = max |x_i| over B                       (in fp32: exact)
     s     = max(amax, floor) / qmax                (correctly rounded to scale_compute_dtype, fp32
-                                                    by default; s = zero_scale if it is 0)
+                                                    by default; with reciprocal_scale
+                                                    fl32(1 / fl32(qmax / max(amax, floor)));
+                                                    s = zero_scale if it is 0)
     s     = 2**ceil(log2 s)                        (only with pow2_scale)
     s     = round(s, scale_dtype)                  (stored scale; at least scale_dtype's smallest
                                                     normal, or subnormal with subnormal_scales)
@@ -149,9 +151,11 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     -----
     s = max(amax, floor) / qmax correctly rounded to ``scale_compute_dtype`` (fp32 by default;
     computed in fp32 and rounded once more, which equals the correctly rounded quotient because
-    fp32 carries more than 2p + 2 bits of a bf16/fp16 significand), ``zero_scale`` where that is
-    0, then rounded up to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never
-    below that dtype's smallest normal (smallest subnormal with ``subnormal_scales``). Hence
+    fp32 carries more than 2p + 2 bits of a bf16/fp16 significand) -- or, with ``reciprocal_scale``,
+    s = fl32(1 / fl32(qmax / max(amax, floor))), where a multiplier that overflows to Inf (amax 0
+    with no floor, or amax below qmax / 2**128) gives 0 --, ``zero_scale`` where that is 0, then
+    rounded up to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never below
+    that dtype's smallest normal (smallest subnormal with ``subnormal_scales``). Hence
     s > 0 and finite for every finite input.
     """
     if flushing():  # the spec computes with subnormals kept (fenv.py)
@@ -167,7 +171,12 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     else:
         amax = torch.cat([_blocks(x[r0:r1].to(torch.float32).abs(), r, c).amax(dim=(1, 3))
                           for r0, r1 in _row_chunks(rows, cols, r)])
-    s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
+    floored = torch.clamp(amax, min=scheme.amax_floor)
+    if scheme.reciprocal_scale:  # the multiplier qmax / amax, then its reciprocal: two fp32 roundings
+        # (a tensor numerator: torch evaluates ``float / tensor`` as float * (1 / tensor), a third rounding)
+        s = torch.reciprocal(torch.full_like(floored, scheme.qmax) / floored)
+    else:
+        s = floored / scheme.qmax
     if scheme.scale_compute_dtype != torch.float32:
         s = s.to(scheme.scale_compute_dtype).to(torch.float32)
     s = torch.where(s == 0, torch.full_like(s, scheme.zero_scale), s)

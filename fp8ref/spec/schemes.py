@@ -89,6 +89,12 @@ class QuantScheme:
     subnormal_scales : bool
         Keep a stored scale that is subnormal in ``scale_dtype`` (as torch's bf16/fp16 division
         does) instead of raising it to the dtype's smallest normal. Either way the scale is > 0.
+    reciprocal_scale : bool
+        Compute the dynamic scale as the reciprocal of a multiplier, ``1 / (qmax / max(amax,
+        floor))``, each division rounded to ``scale_compute_dtype`` (TransformerEngine, flax's and
+        keras' ``compute_scale``, SGLang's ``input_to_float8``), instead of the quotient ``max(amax,
+        floor) / qmax`` rounded once. Two roundings: the scale can differ from the quotient's by a
+        grid step. Dynamic schemes computed in fp32 only (every peer that uses the form does).
 
     Examples
     --------
@@ -109,6 +115,7 @@ class QuantScheme:
     zero_scale: float = 1.0
     scale_compute_dtype: torch.dtype = torch.float32
     subnormal_scales: bool = False
+    reciprocal_scale: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -151,15 +158,23 @@ class QuantScheme:
         if not isinstance(zs, (int, float)) or isinstance(zs, bool) or not math.isfinite(zs) or zs <= 0:
             raise ValueError(f"zero_scale must be a finite float > 0 (NaN or 0 scales are defects), got {zs!r}")
         object.__setattr__(self, "zero_scale", float(zs))
-        for flag in ("dynamic", "pow2_scale", "subnormal_scales"):
+        for flag in ("dynamic", "pow2_scale", "subnormal_scales", "reciprocal_scale"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.reciprocal_scale and not self.dynamic:
+            raise ValueError("reciprocal_scale is a rule for computing a dynamic scale; a static scheme "
+                             "(dynamic=False) takes the caller's scale as given")
+        if self.reciprocal_scale and self.scale_compute_dtype != torch.float32:
+            raise ValueError("reciprocal_scale is computed in fp32 (scale_compute_dtype=torch.float32): "
+                             f"got {self.scale_compute_dtype}, where qmax / amax would overflow for small amax")
 
     @property
     def standard_scale_rule(self) -> bool:
-        """True when the scale follows the default rule: computed in fp32, 1 for a zero block, never
-        subnormal (what fp8ref's fast kernels implement; other conventions go to the reference)."""
-        return self.zero_scale == 1.0 and self.scale_compute_dtype == torch.float32 and not self.subnormal_scales
+        """True when the scale follows the default rule: the quotient computed in fp32, 1 for a zero
+        block, never subnormal (what fp8ref's fast kernels implement; other conventions go to the
+        reference)."""
+        return (self.zero_scale == 1.0 and self.scale_compute_dtype == torch.float32 and not self.subnormal_scales
+                and not self.reciprocal_scale)
 
     def block_shape(self, rows: int, cols: int) -> tuple[int, int]:
         """(r, c): the extent of one scale's block for a ``[rows, cols]`` tensor (at least 1)."""
@@ -201,6 +216,8 @@ class QuantScheme:
             parts.append(str(self.scale_compute_dtype).replace("torch.", "c"))
         if self.subnormal_scales:
             parts.append("subn")
+        if self.reciprocal_scale:
+            parts.append("recip")
         return "-".join(parts)
 
     def with_(self, **changes) -> QuantScheme:
