@@ -128,6 +128,8 @@ def _conventions(s: QuantScheme) -> list[str]:
         out.append(f"zero-block scale {s.zero_scale:g}")
     if s.subnormal_scales:
         out.append("subnormal scales kept")
+    if s.reciprocal_scale:
+        out.append("scale 1/(qmax/amax)")
     return out
 
 

@@ -30,8 +30,9 @@ One row per compute dtype (the declaration depends on it): fp32 (operands dequan
 GEMM: ``Accumulation.FP32``, one rounding), bf16 and fp16 (operands dequantized and rounded to the
 compute dtype, fp32-accumulating GEMM, result rounded, bias added and rounded again:
 ``BF16_OPERANDS`` / ``FP16_OPERANDS``, two roundings). Conventions filled in: one scale per tensor,
-no amax floor (an all-zero tensor keeps scale 1, the spec's ``zero_scale``), the scale applied in
-the compute dtype (``scale_dtype``). Not filled in: the quotient ``x / s`` rounded to bf16/fp16
+the reciprocal form (``reciprocal_scale``), no amax floor (an all-zero tensor keeps scale 1, the
+spec's ``zero_scale``), subnormal scales kept, the scale applied in the compute dtype
+(``scale_dtype``). Not filled in: the quotient ``x / s`` rounded to bf16/fp16
 before the E4M3 cast (two roundings, finding 15's), and the fp32 layer's bias rounded to bf16.
 """
 
@@ -101,8 +102,9 @@ class KerasDenseFloat8(Peer):
         if (scheme.format is not E4M3FN or scheme.granularity is not Granularity.TENSOR or not scheme.dynamic
                 or scheme.pow2_scale or scheme.scale_dtype != torch.float32 or x_dtype != self.dtype):
             return scheme
-        # no amax floor (a zero tensor keeps scale 1); the fp32 scale applied in the compute dtype
-        return scheme.with_(amax_floor=0.0, scale_dtype=self.dtype)
+        # 1 / (448 / amax) in fp32, no amax floor (a zero tensor keeps scale 1), subnormal scales kept
+        # (nothing raises them), the fp32 scale applied in the compute dtype
+        return scheme.with_(amax_floor=0.0, scale_dtype=self.dtype, reciprocal_scale=True, subnormal_scales=True)
 
     def supports(self, case: Case) -> str | None:
         if case.x_dtype != self.dtype:
@@ -116,8 +118,9 @@ class KerasDenseFloat8(Peer):
                 return f"{what}: one scale per tensor"
             if not s.dynamic:
                 return f"{what}: the scale comes from the amax history (dynamic)"
-            if s.pow2_scale or not s.standard_scale_rule:
-                return f"{what}: plain scales computed in fp32"
+            if (s.pow2_scale or not s.reciprocal_scale or not s.subnormal_scales or s.zero_scale != 1.0
+                    or s.scale_compute_dtype != torch.float32):
+                return f"{what}: scale 1 / (448 / amax) computed in fp32, subnormal scales kept, 1 for a zero tensor"
             if s.amax_floor != 0.0:
                 return f"{what}: no amax floor (a zero tensor keeps scale 1)"
             if s.scale_dtype != self.dtype:
