@@ -31,7 +31,7 @@ def test_peers_listed_without_importing_their_packages():
     assert len(names) == len(set(names)) >= 15
     code = ("import sys, fp8ref.peers as p; p.peers(); "
             "print(sorted(m for m in ('sglang', 'vllm', 'onnxruntime', 'torchao', 'jax', 'compressed_tensors', "
-            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark') if m in sys.modules))")
+            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark', 'keras') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     for p in peers():
@@ -216,3 +216,60 @@ def test_merge_puts_new_rows_in_and_keeps_the_others():
     assert again.count("### `fake-other`") == 1 and recorded_verdicts(again) == recorded_verdicts(merged)
     assert again.count("Rows merged by") == 1 and "elsewhere" not in again  # the superseded note goes
     assert "\n\nRows merged by" in again
+
+
+class _FloatWeightLayer(Peer):
+    """A layer that takes the float weight and quantizes both operands itself (``float_weight``): the
+    spec's per-tensor quantization and GEMM, fp32 output."""
+
+    name, project, distribution = "fake-float-weight", "test", "torch"
+    entry, notes = "spec quantize + scaled_mm inside linear", "the spec's own numerics"
+    ops = ("linear",)
+    float_weight = True
+    recipes = (fp8ref.spec.schemes.FP8_PER_TENSOR,)
+    seen: list = []
+
+    def supports(self, case):
+        if case.recipe.weight.granularity.value != "tensor" or case.recipe.activation.granularity.value != "tensor":
+            return "one scale per tensor"
+        return None if case.x_dtype == case.out_dtype == torch.float32 else "fp32 only"
+
+    def prepare_weight(self, w):
+        self.seen.append(w)
+        return w
+
+    def _weight(self, w, scheme):
+        return fp8ref.spec.quant.quantize(w, scheme)
+
+    def linear(self, x, w, bias=None, out_dtype=torch.float32, scheme=None, scale=None):
+        qw = self._weight(w, self.recipes[0].weight)
+        return fp8ref.spec.gemm.scaled_mm(fp8ref.spec.quant.quantize(x, scheme), qw, bias, out_dtype)
+
+
+class _HalfAmaxWeightLayer(_FloatWeightLayer):
+    """The same layer with its weight scale computed from half the amax: the largest weights clip."""
+
+    name = "fake-float-weight-half-amax"
+
+    def _weight(self, w, scheme):
+        s = fp8ref.spec.quant.compute_scale(w, scheme) / 2
+        return fp8ref.spec.quant.quantize(w, scheme.with_(dynamic=False), s)
+
+
+def test_a_layer_that_quantizes_its_float_weight_is_certified_end_to_end():
+    """``Backend.float_weight``: the linear contract hands ``prepare_weight`` the float weight, and
+    judges the layer against the bound computed from the spec's quantization (a layer whose weight
+    scale clips fails); ``register_backend`` refuses such a layer (fp8ref.linear hands backends
+    quantized weights); certify measures a linear-only peer's outputs (the spec's own: all bit-exact)."""
+    _FloatWeightLayer.seen = []
+    ok = certify_peer(_FloatWeightLayer(), "dev", seed=0, contracts=["linear.bound"])
+    assert ok.report.result("linear.bound").status == "pass", ok.report.result("linear.bound").message
+    assert _FloatWeightLayer.seen and all(not isinstance(w, Quantized) and w.dtype == torch.float32
+                                          for w in _FloatWeightLayer.seen)
+    assert ok.exact_label == "outputs" and ok.exact_outputs == 100 and ok.exact_samples > 0
+    assert ok.expressible.startswith("linear: fp8; x fp32; out fp32; bias")
+    assert ok.non_finite == "raises ValueError"  # the spec's quantize refuses NaN
+    bad = certify_peer(_HalfAmaxWeightLayer(), "dev", seed=0, contracts=["linear.bound"], measure=False)
+    assert bad.report.result("linear.bound").status == "fail"
+    with pytest.raises(ValueError, match="float_weight"):
+        fp8ref.register_backend(_FloatWeightLayer())
