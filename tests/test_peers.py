@@ -12,6 +12,7 @@ import torch
 
 import fp8ref
 from fp8ref import Quantized, QuantScheme
+from fp8ref.conformance import accumulator_bits
 from fp8ref.conformance.strategies import QuantizeProblem, TensorSpec
 from fp8ref.peers import Peer, get_peer, peer_names, peers
 from fp8ref.peers.certify import certify_peer
@@ -256,11 +257,26 @@ class _HalfAmaxWeightLayer(_FloatWeightLayer):
         return fp8ref.spec.quant.quantize(w, scheme.with_(dynamic=False), s)
 
 
+class _Bf16SumLayer(_FloatWeightLayer):
+    """The same layer summing the dequantized products along K in a bf16 running sum."""
+
+    name = "fake-float-weight-bf16-sum"
+
+    def linear(self, x, w, bias=None, out_dtype=torch.float32, scheme=None, scale=None):
+        a = fp8ref.dequantize(fp8ref.spec.quant.quantize(x, scheme), torch.float32)
+        b = fp8ref.dequantize(self._weight(w, self.recipes[0].weight), torch.float32)
+        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        for k in range(x.shape[1]):
+            acc = (acc.float() + a[:, k:k + 1] * b[:, k]).to(torch.bfloat16)
+        return acc.to(out_dtype)
+
+
 def test_a_layer_that_quantizes_its_float_weight_is_certified_end_to_end():
     """``Backend.float_weight``: the linear contract hands ``prepare_weight`` the float weight, and
     judges the layer against the bound computed from the spec's quantization (a layer whose weight
     scale clips fails); ``register_backend`` refuses such a layer (fp8ref.linear hands backends
-    quantized weights); certify measures a linear-only peer's outputs (the spec's own: all bit-exact)."""
+    quantized weights); certify measures a linear-only peer's outputs (the spec's own: all bit-exact) and reads its
+    accumulator through linear."""
     _FloatWeightLayer.seen = []
     ok = certify_peer(_FloatWeightLayer(), "dev", seed=0, contracts=["linear.bound"])
     assert ok.report.result("linear.bound").status == "pass", ok.report.result("linear.bound").message
@@ -269,6 +285,8 @@ def test_a_layer_that_quantizes_its_float_weight_is_certified_end_to_end():
     assert ok.exact_label == "outputs" and ok.exact_outputs == 100 and ok.exact_samples > 0
     assert ok.expressible.startswith("linear: fp8; x fp32; out fp32; bias")
     assert ok.non_finite == "raises ValueError"  # the spec's quantize refuses NaN
+    assert ok.report.accumulator_bits == 35  # the spec's GEMM is exact: the probe's range, read through linear
+    assert accumulator_bits(_Bf16SumLayer()) == 8
     bad = certify_peer(_HalfAmaxWeightLayer(), "dev", seed=0, contracts=["linear.bound"], measure=False)
     assert bad.report.result("linear.bound").status == "fail"
     with pytest.raises(ValueError, match="float_weight"):
