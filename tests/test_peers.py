@@ -3,6 +3,7 @@ and defects not, the matrix's verdicts kept current (the onnxruntime and torchao
 others where their packages are installed)."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -291,3 +292,29 @@ def test_a_layer_that_quantizes_its_float_weight_is_certified_end_to_end():
     assert bad.report.result("linear.bound").status == "fail"
     with pytest.raises(ValueError, match="float_weight"):
         fp8ref.register_backend(_FloatWeightLayer())
+
+
+@pytest.mark.skipif(not _installed("keras"), reason="needs keras (docs/certified.md, 'Installing the peers')")
+def test_keras_rows_leave_torch_state_alone():
+    """The keras rows import keras (torch backend) in the process that certifies every peer: torch's
+    global state is the same after the import and after a layer call as before."""
+    code = """
+import torch
+from fp8ref.spec.fenv import flushing
+def state():
+    return (torch.get_default_dtype(), torch.get_num_threads(), torch.get_num_interop_threads(),
+            torch.is_grad_enabled(), torch.get_float32_matmul_precision(),
+            torch.are_deterministic_algorithms_enabled(), str(torch.get_default_device()), flushing(),
+            torch.is_autocast_enabled("cpu"), torch.is_inference_mode_enabled())
+before = state()
+from fp8ref.peers import get_peer
+p = get_peer("keras-dense-float8-bf16")
+assert p.available() is None, p.available()
+after_import = state()
+x, w = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+p.linear(x, p.prepare_weight(w), None, torch.bfloat16, p.recipes[0].activation)
+print(before == after_import == state(), before, state())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.startswith("True"), out
