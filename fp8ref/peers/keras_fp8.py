@@ -1,5 +1,5 @@
-"""Keras 3's float8 ``Dense`` (``Dense.quantize("float8")``), on its torch backend: a layer that takes
-float inputs and a float kernel and quantizes both itself.
+"""Keras 3's float8 ``Dense`` (``Dense.quantize("float8")``), on its torch and jax backends: a layer
+that takes float inputs and a float kernel and quantizes both itself.
 
 Read from keras 3.15.1, ``keras/src/layers/core/dense.py`` (``_float8_build``, ``_float8_call``) and
 ``keras/src/quantizers/quantizers.py``:
@@ -26,7 +26,13 @@ False``), two ``Model.train_on_batch`` steps on the batch (the first records ama
 computes the scale from it), then the inference call ``layer(x, training=False)``. No value of the
 adapter's own reaches the output: it assigns the given kernel and bias and reads ``y``.
 
-One row per compute dtype (the declaration depends on it): fp32 (operands dequantized in fp32, fp32
+keras chooses its backend once per process, when first imported: the adapter sets
+``KERAS_BACKEND`` before that import, and a row whose backend is not the one loaded declines with
+the reason (``fp8ref certify`` runs each peer in its own process). On jax, each new layer's
+training step is jit-compiled by XLA (seconds per call: ``time_budget_s``), and inputs and outputs
+cross as jax arrays with the same bits (``jax_xla.to_jax``/``from_jax``).
+
+One row per backend and compute dtype (the declaration depends on the dtype): fp32 (operands dequantized in fp32, fp32
 GEMM: ``Accumulation.FP32``, one rounding), bf16 and fp16 (operands dequantized and rounded to the
 compute dtype, fp32-accumulating GEMM, result rounded, bias added and rounded again:
 ``BF16_OPERANDS`` / ``FP16_OPERANDS``, two roundings). Conventions filled in: one scale per tensor,
@@ -61,7 +67,8 @@ STEPS = 2
 
 
 class KerasDenseFloat8(Peer):
-    """``keras.layers.Dense(...).quantize("float8")`` in one compute dtype, on the torch backend."""
+    """``keras.layers.Dense(...).quantize("float8")`` in one compute dtype, on one keras backend
+    (``"torch"``, or ``"jax"``: XLA, each training step jit-compiled per shape)."""
 
     project = "Keras"
     distribution = "keras"
@@ -70,12 +77,15 @@ class KerasDenseFloat8(Peer):
     float_weight = True
     recipes = (FP8_PER_TENSOR,)  # one dynamic scale per tensor for inputs and kernel
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.name = f"keras-dense-float8-{_SHORT[dtype]}"
+    def __init__(self, dtype: torch.dtype, backend: str = "torch"):
+        self.dtype, self.backend = dtype, backend
+        self.name = f"keras-{'' if backend == 'torch' else backend + '-'}dense-float8-{_SHORT[dtype]}"
         self.accumulation, self.output_roundings = _DECLARATION[dtype]
-        self.entry = (f"keras.layers.Dense(N, dtype='{_DTYPE_NAME[dtype]}').quantize('float8'); "
-                      f"Model.train_on_batch x{STEPS} (kernel, bias frozen); layer(x, training=False)")
+        if backend == "jax":
+            self.time_budget_s = 30.0  # one XLA compilation of the training step per new shape
+        self.entry = (f"KERAS_BACKEND={backend}: keras.layers.Dense(N, dtype='{_DTYPE_NAME[dtype]}')"
+                      f".quantize('float8'); Model.train_on_batch x{STEPS} (kernel, bias frozen); "
+                      "layer(x, training=False)")
         roundings = "in fp32" if dtype == torch.float32 else f"rounded to {_SHORT[dtype]}"
         bias = " + bias rounded to bf16" if dtype == torch.float32 else f" + bias ({_SHORT[dtype]})"
         self.notes = (f"s = 1/(448/amax) fp32 (amax 0 or non-finite: previous scale), per tensor, delayed (amax "
@@ -85,7 +95,7 @@ class KerasDenseFloat8(Peer):
     def prepare(self) -> str | None:
         # keras picks its backend when first imported; another backend already loaded is declined below
         if "keras" not in sys.modules:
-            os.environ["KERAS_BACKEND"] = "torch"
+            os.environ["KERAS_BACKEND"] = self.backend
         return None
 
     def available(self) -> str | None:
@@ -94,8 +104,9 @@ class KerasDenseFloat8(Peer):
             return reason
         import keras
 
-        if keras.config.backend() != "torch":
-            return f"keras was imported with the {keras.config.backend()} backend (this row needs KERAS_BACKEND=torch)"
+        if keras.config.backend() != self.backend:
+            return (f"keras was imported with the {keras.config.backend()} backend in this process (this row needs "
+                    f"KERAS_BACKEND={self.backend}; fp8ref certify runs each peer in its own process)")
         return None
 
     def conventions(self, scheme: QuantScheme, x_dtype: torch.dtype) -> QuantScheme:
@@ -147,7 +158,8 @@ class KerasDenseFloat8(Peer):
         dt = _DTYPE_NAME[self.dtype]
         layer = keras.layers.Dense(N, use_bias=bias is not None, dtype=dt)
         model = keras.Sequential([keras.Input((K,), dtype=dt), layer])
-        layer.kernel.assign(w.T)
+        x, w, bias = (self._to_backend(t) for t in (x, w.T, bias))
+        layer.kernel.assign(w)
         if bias is not None:
             layer.bias.assign(bias)
         layer.quantize("float8")
@@ -155,12 +167,25 @@ class KerasDenseFloat8(Peer):
         if bias is not None:
             layer.bias.trainable = False
         model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
-        target = torch.zeros(M, N, dtype=self.dtype)
+        target = self._to_backend(torch.zeros(M, N, dtype=self.dtype))
         for _ in range(STEPS):
             model.train_on_batch(x, target)
+        if self.backend == "jax":
+            from .jax_xla import from_jax
+
+            return from_jax(layer(x, training=False), self.dtype)
         with torch.no_grad():
             y = layer(x, training=False)
         return torch.as_tensor(y).detach()
 
+    def _to_backend(self, t: torch.Tensor | None):
+        """``t`` as the keras backend's own array, same bits (jax: through ml_dtypes)."""
+        if t is None or self.backend == "torch":
+            return t
+        from .jax_xla import to_jax
 
-PEERS = tuple(KerasDenseFloat8(dt) for dt in (torch.bfloat16, torch.float16, torch.float32))
+        return to_jax(t)
+
+
+PEERS = tuple(KerasDenseFloat8(dt, backend) for backend in ("torch", "jax")
+              for dt in (torch.bfloat16, torch.float16, torch.float32))
