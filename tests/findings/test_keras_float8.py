@@ -64,6 +64,29 @@ def test_tiny_tensor_gets_a_nonzero_scale_on_jax():
     assert scale > 0, f"scale {scale!r} for amax 4e-36 on the jax backend"
 
 
+_JAX_FP16_QDQ = """
+import jax.numpy as jnp
+from keras import quantizers
+x = jnp.asarray([0.006103515625, -0.003509521484375, -0.0050048828125], jnp.float16)  # amax 0.0061
+scale = quantizers.compute_float8_scale(jnp.float32(0.006103515625), jnp.float32(1.0), jnp.float32(448.0))
+top = float(jnp.float16(448.0) * scale.astype(jnp.float16))  # the largest code's dequantized value
+print(top, *(float(v) for v in quantizers.quantize_and_dequantize(x, scale, "float8_e4m3fn", "float16")))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=f"keras-float8-jax-fp16-reciprocal-overflow: {_NO_REPORT}")
+def test_jax_fp16_small_tensor_keeps_its_values():
+    pytest.importorskip("jax")
+    # scale = 0.0061 / 448 = 1.37e-5 (fp16 holds it, subnormal); x / scale is at most 448. XLA:CPU
+    # evaluates the fp16 division as x * (1 / scale) with the reciprocal in fp16, where 1 / 1.37e-5 =
+    # 72,990 overflows to Inf: every value clips to +-448 and dequantizes to +-0.0061.
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    out = subprocess.run([sys.executable, "-c", _JAX_FP16_QDQ], capture_output=True, text=True, env=env, check=True)
+    top, *got = (float(v) for v in out.stdout.split()[-4:])
+    # x / scale = 446, -256, -365.7: only the first element rounds to the largest code
+    assert [abs(g) == top for g in got] == [True, False, False], f"got {got} (largest code: +-{top})"
+
+
 @pytest.mark.xfail(strict=True, reason=f"keras-float8-fp16-scale-underflow: {_NO_REPORT}")
 def test_fp16_small_tensor_keeps_its_values():
     x = torch.tensor([[2.0**-22, 0.0, -(2.0**-23)]], dtype=torch.float16)  # small fp16 activations
