@@ -9,6 +9,9 @@ tests/test_layout.py checks all three.
   the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
   helpers ``_machine`` (CPU detection), ``_io`` (atomic writes) and ``_progress`` (progress bars).
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
+- ``fp8ref.check``: the checking core -- the conformance contracts' problems and checks (a
+  backend and a problem in, the worst error/bound ratio or a located violation out), which the
+  conformance driver and the selector's compliance probe both run.
 - ``fp8ref.kernels``: the backends, one module each (C++ sources in ``kernels/csrc``, built by
   ``python -m fp8ref.kernels.build``).
 - ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).
@@ -17,7 +20,8 @@ tests/test_layout.py checks all three.
   same as the custom operator ``torch.ops.fp8ref.linear`` (for ``torch.compile`` and
   ``torch.export``), ``Fp8Linear`` and ``quantize_model``, FP8 checkpoints; then this face, which
   re-exports the public API.
-- ``fp8ref.conformance``: the referee (contracts, Hypothesis search, reports).
+- ``fp8ref.conformance``: the referee (the contract table, Hypothesis search, sweeps, reports;
+  the checks themselves are ``fp8ref.check``'s).
 - ``fp8ref.peers``: adapters that put real third-party FP8 code (SGLang, vLLM, onnxruntime,
   torchao, compressed-tensors, jax, quanto, Model Optimizer) behind the backend API, and the
   certification run (``fp8ref certify``) that judges them.

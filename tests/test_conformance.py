@@ -340,10 +340,10 @@ def test_declared_accumulation_respected():
 
 
 @pytest.mark.parametrize("name", ["fp8ref.conformance.driver", "fp8ref.conformance.probe",
-                                  "fp8ref.conformance.values", "fp8ref.conformance.sweep",
+                                  "fp8ref.check.values", "fp8ref.conformance.sweep",
                                   "fp8ref.conformance.scope", "fp8ref.conformance.profiles",
                                   "fp8ref.conformance.peers", "fp8ref.conformance.replay",
-                                  "fp8ref.conformance.problems", "fp8ref.conformance.reproduce"])
+                                  "fp8ref.check.problems", "fp8ref.conformance.reproduce"])
 def test_docstring_examples_run(name):
     import doctest
     import importlib

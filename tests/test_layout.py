@@ -75,6 +75,7 @@ CPU_NAMES_ALLOWED = {"fp8ref/_machine.py": "says which vendor, family and model 
 LAYERS = [
     ("fp8ref.spec", "fp8ref._machine", "fp8ref._io", "fp8ref._progress"),
     ("fp8ref.registry",),
+    ("fp8ref.check",),
     ("fp8ref.kernels",),
     ("fp8ref.select",),
     ("fp8ref.weightcheck",),

@@ -189,6 +189,105 @@ def test_a_declared_reciprocal_scale_is_bit_exact_and_the_quotient_is_not():
     assert cert.report.result("quantize.bit_exact").status == "no"
 
 
+def _codes_np(x: np.ndarray, m: np.ndarray, qmax: float, fmt) -> torch.Tensor:
+    """RNE(clamp(fl32(x * m))) with the product in numpy fp32 and torch's saturating RNE cast."""
+    v = np.clip(x.astype(np.float32) * m.astype(np.float32), -qmax, qmax)
+    return torch.from_numpy(v).to(fmt.torch_dtype)
+
+
+def _tie_rows(seed: int) -> torch.Tensor:
+    """Rows whose x / s sit on or next to FP8 ties: where x * (1 / s) and x / s round apart."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.rand(64, 1, generator=g) * 2.0 ** torch.randint(-20, 20, (64, 1), generator=g).float() + 1e-3
+    grid = torch.randint(-447, 448, (64, 63), generator=g).float() + 0.5  # halfway between integers: ties
+    x = torch.cat([amax, grid / 448 * amax], dim=1).float()
+    return x
+
+
+@pytest.mark.parametrize("reciprocal", [False, True])
+def test_multiply_codes_are_x_times_the_multiplier_bit_for_bit(reciprocal):
+    scheme = QuantScheme(amax_floor=0.0, reciprocal_scale=reciprocal, multiply_codes=True)
+    x = _tie_rows(1)
+    q = quantize(x, scheme)
+    xn = x.numpy()
+    amax = np.abs(xn).max(axis=1, keepdims=True)
+    if reciprocal:  # the multiplier the scale came from: the stored scale is its fp32 reciprocal
+        m = np.float32(448.0) / amax
+        assert q.scale.numpy().tolist() == (np.float32(1.0) / m).tolist()
+    else:  # the reciprocal of the stored (quotient) scale
+        assert q.scale.numpy().tolist() == (amax / np.float32(448.0)).tolist()
+        m = np.float32(1.0) / q.scale.numpy()
+    assert torch.equal(q.data.view(torch.uint8), _codes_np(xn, m, 448.0, q.scheme.format).view(torch.uint8))
+    divided = quantize(x, scheme.with_(multiply_codes=False))
+    assert torch.equal(q.scale, divided.scale)
+    assert not torch.equal(q.data.view(torch.uint8), divided.data.view(torch.uint8))  # the field matters
+    for r in (q, divided):  # ...and both are within the one quantization bound (d = 2)
+        err = (r.dequantize(torch.float64) - x.double()).abs()
+        assert bool((err <= fp8ref.quantization_error_bound(x, r)).all())
+
+
+def test_multiply_codes_never_multiply_by_an_infinite_reciprocal():
+    """A kept subnormal scale has 1 / s = Inf: such blocks divide (0 * Inf would be a NaN code), and an
+    all-zero row with no floor gets zero_scale and codes 0."""
+    x = torch.tensor([[2.0**-140, 0.0, -2.0**-141], [0.0, 0.0, 0.0], [1.0, 0.5, -0.25]])
+    for extra in ({"subnormal_scales": True}, {"reciprocal_scale": True, "subnormal_scales": True}, {}):
+        scheme = QuantScheme(amax_floor=0.0, multiply_codes=True, **extra)
+        q = quantize(x, scheme)
+        ref = quantize(x, scheme.with_(multiply_codes=False))
+        assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)), extra
+        assert q.scale[1].item() == 1.0 and not bool(torch.isnan(q.data.float()).any())
+
+
+def test_multiplier_scale_stores_m_and_dequantizes_by_dividing():
+    """torchao's float8 training: m = fl32(qmax / max(amax, 1e-12)) (torchao divides in fp64 and rounds
+    to fp32, the same number), codes RNE(clamp(fl32(x * m))), x ~ q / m."""
+    scheme = QuantScheme(granularity="tensor", multiply_codes=True, multiplier_scale=True)
+    for x in (_tie_rows(2), torch.zeros(3, 5), torch.full((2, 2), 1e-14), torch.randn(7, 9, dtype=torch.bfloat16)):
+        q = quantize(x, scheme)
+        amax = max(float(x.abs().max()), 1e-12)
+        m = np.float32(np.float64(448.0) / amax)  # fp64 quotient rounded to fp32: written here, as torchao
+        assert q.scale.item() == float(m)
+        assert torch.equal(q.data.view(torch.uint8),
+                           _codes_np(x.float().numpy(), np.float32(m), 448.0, q.scheme.format).view(torch.uint8))
+        deq = q.dequantize(torch.float64)
+        assert torch.equal(deq, q.data.double() / float(m))
+        assert bool(((deq - x.double()).abs() <= fp8ref.quantization_error_bound(x, q)).all())
+    zero = quantize(torch.zeros(2, 3), scheme.with_(amax_floor=0.0, granularity="row"))
+    assert zero.scale.flatten().tolist() == [1.0, 1.0] and zero.data.float().abs().sum().item() == 0.0
+
+
+def test_multiplier_scale_bound_is_tight_and_sound_on_ties():
+    scheme = QuantScheme(multiply_codes=True, multiplier_scale=True, amax_floor=0.0)
+    x = _tie_rows(3)
+    q = quantize(x, scheme)
+    ratio = (q.dequantize(torch.float64) - x.double()).abs() / fp8ref.quantization_error_bound(x, q)
+    assert 0.99 < float(ratio.max()) <= 1.0
+
+
+def test_multiplier_schemes_are_validated_and_refused_by_gemm_and_linear():
+    mult = QuantScheme(granularity="tensor", multiply_codes=True, multiplier_scale=True)
+    assert mult.short_str() == "e4m3fn-tensor-dyn-mul-smult" and not mult.standard_scale_rule
+    assert QuantScheme(multiply_codes=True).short_str() == "e4m3fn-row-dyn-mul"
+    assert not QuantScheme(multiply_codes=True).standard_scale_rule
+    with pytest.raises(ValueError, match="set multiply_codes=True too"):
+        QuantScheme(multiplier_scale=True)
+    with pytest.raises(ValueError, match="choose one"):
+        QuantScheme(multiplier_scale=True, multiply_codes=True, reciprocal_scale=True)
+    with pytest.raises(ValueError, match="fp32 multipliers"):
+        QuantScheme(multiplier_scale=True, multiply_codes=True, scale_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiply_codes must be a bool"):
+        QuantScheme(multiply_codes="yes")
+    a = quantize(torch.randn(4, 16), mult)
+    b = quantize(torch.randn(8, 16), QuantScheme(granularity="tensor"))
+    with pytest.raises(ValueError, match="a was quantized as e4m3fn-tensor-dyn-mul-smult, whose scale is a multiplier"):
+        fp8ref.scaled_mm(a, b)
+    with pytest.raises(ValueError, match="b was quantized as .* multiplier"):
+        scaled_mm_exact(b.__class__(b.data, b.scale, b.scheme), a)
+    recipe = fp8ref.Recipe("torchao-training", mult, mult)
+    with pytest.raises(ValueError, match="weight scheme e4m3fn-tensor-dyn-mul-smult stores a multiplier"):
+        fp8ref.linear(torch.randn(2, 16), torch.randn(8, 16), recipe=recipe)
+
+
 # ------------------------------------------------------------------------------------------------
 # dequantize-then-GEMM
 

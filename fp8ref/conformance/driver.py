@@ -23,13 +23,13 @@ from hypothesis import seed as hseed
 from hypothesis.errors import HypothesisException, Unsatisfiable
 
 from .._progress import progress
+from ..check.problems import QuantizeProblem, problem_to_dict
 from ..registry import Backend, get_backend
 from ..spec.schemes import QuantScheme, Recipe
 from .adaptation import Adaptation, adapted
 from .contracts import CONTRACTS, Contract, ContractViolation, Declined, get_contract, reference_threads
 from .coverage import Coverage
 from .probe import accumulator_bits
-from .problems import QuantizeProblem, problem_to_dict
 from .profiles import Profile, get_profile, hypothesis_settings, resolve_seed
 from .report import (
     ERROR,

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..check.problems import GemmProblem, LinearProblem, QuantizeProblem, problem_from_dict, problem_to_dict
 from ..spec import quant
 from ..spec.bounds import Accumulation, conforming_quantization_error_bound, gemm_error_bound, linear_error_bound
 from ..spec.gemm import scaled_mm_exact
-from .problems import GemmProblem, LinearProblem, QuantizeProblem, problem_from_dict, problem_to_dict
 
 __all__ = ["Replay", "replay"]
 

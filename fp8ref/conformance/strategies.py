@@ -29,9 +29,7 @@ import functools
 import torch
 from hypothesis import strategies as st
 
-from ..spec.formats import FORMATS, Fp8Format
-from ..spec.schemes import RECIPES, Granularity, QuantScheme, Recipe
-from .problems import (
+from ..check.problems import (
     BIAS_MODES,
     CODE_FAMILIES,
     GRID_FAMILIES,
@@ -50,9 +48,11 @@ from .problems import (
     static_scale,
     swamp_ok,
 )
+from ..check.values import _grid_values
+from ..spec.formats import FORMATS, Fp8Format
+from ..spec.schemes import RECIPES, Granularity, QuantScheme, Recipe
 from .profiles import Profile, boundary_sizes, get_profile
 from .scope import Scope
-from .values import _grid_values
 
 __all__ = [
     "QuantScheme",
@@ -237,7 +237,7 @@ def fp8_codes(draw, fmt: Fp8Format | str = "e4m3fn", max_elems: int = 64) -> tor
 
 @functools.cache
 def _tensor_specs(p: Profile, dtype: torch.dtype, families=VALUE_FAMILIES):
-    from .values import _exp_range
+    from ..check.values import _exp_range
 
     lo, hi = _exp_range(dtype)
     return st.builds(TensorSpec, st.sampled_from(families),

@@ -49,10 +49,7 @@ from dataclasses import replace
 
 import torch
 
-from ..registry import Backend, decline_reason
-from ..spec.formats import E4M3FNUZ, E5M2
-from ..spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
-from .problems import (
+from ..check.problems import (
     EXHAUSTIVE_FAMILIES,
     MAGNITUDES,
     STATIC_KINDS,
@@ -64,6 +61,9 @@ from .problems import (
     exhaustive_shape,
     swamp_ok,
 )
+from ..registry import Backend, decline_reason
+from ..spec.formats import E4M3FNUZ, E5M2
+from ..spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
 from .profiles import Profile, boundary_sizes
 from .scope import Scope
 from .strategies import INPUT_DTYPES, OUT_DTYPES, SWAMP_BITS

@@ -1,44 +1,39 @@
-"""What every contract shares: the ``Contract`` row, the outcomes a check raises (``ContractViolation``,
-``Declined``), the calls into a backend (with its own thread count, outputs poisoned first), bit
-and bound comparisons that locate the worst element, and the per-process cache of reference
-results. Imports flow down: this module imports the registry and the spec only; the per-op
-modules (``quantize``, ``scaled_mm``, ``linear``) import it.
+"""What every contract shares: the ``Contract`` row of the table, and -- re-exported from the
+checking core, ``fp8ref.check.common`` -- the outcomes a check raises (``ContractViolation``,
+``Declined``), the calls into a backend, the comparisons and the cache of reference results.
+Imports flow down: the checking core, ``profiles`` and ``scope``; the per-op modules and
+``calling`` import this module.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
 from hypothesis import strategies as st
 
-from ...registry import Backend, Case, backend_quantize, decline_reason
-from ...spec import quant
-from ...spec.compare import compare, compare_bits
-from ...spec.quant import Quantized
+from ...check.common import (  # noqa: F401 -- re-exported: the per-op modules and ``calling`` import them here
+    ContractViolation,
+    Declined,
+    _build,
+    _cached,
+    _check_within,
+    _copy,
+    _first_diff,
+    _mm,
+    _neg,
+    _quantize,
+    _ref_quantize,
+    _require,
+    _same_bits,
+    backend_threads,
+    poison_allocator,
+    reference_threads,
+)
 from ..profiles import Profile
 from ..scope import Scope
 
 __all__ = ["Contract", "ContractViolation", "Declined", "poison_allocator", "reference_threads", "backend_threads"]
-
-
-class ContractViolation(AssertionError):
-    """A backend broke a contract; the message locates the worst element.
-
-    ``ratio`` is the failing example's worst error/bound where the contract compares with a bound
-    (None for a structural violation: a NaN code, a wrong shape, differing bits).
-    """
-
-    def __init__(self, message: str, ratio: float | None = None):
-        super().__init__(message)
-        self.ratio = ratio
-
-
-class Declined(Exception):
-    """The example is outside this backend's ``supports`` or outside the contract's premise."""
 
 
 @dataclass(frozen=True)
@@ -99,167 +94,3 @@ class Contract:
     @property
     def fails_report(self) -> bool:
         return self.kind != "info"
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-
-
-def _require(backend: Backend, case: Case) -> None:
-    reason = decline_reason(backend, case)
-    if reason is not None:
-        raise Declined(f"supports: {reason}")
-
-
-def poison_allocator(shape: tuple[int, ...], device: str | torch.device = "cpu", value: float = float("nan")) -> None:
-    """Fill freshly freed memory of the output's size with ``value`` before a backend allocates.
-
-    A caching allocator (CUDA) hands the same block back to the next allocation of that size,
-    and glibc's free lists often do on CPU, so an element the backend never writes reads as
-    ``value`` instead of a lucky zero. A heuristic, not a guarantee on CPU: the bound contract
-    still catches most unwritten elements whose reference value is non-zero.
-    """
-    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        t = torch.full(shape, value, dtype=dt, device=device)
-        del t
-
-
-#: Threads the backend runs with while the reference and the bounds run single-threaded (see
-#: ``reference_threads``); None outside a check.
-_BACKEND_THREADS: list[int | None] = [None]
-
-
-@contextmanager
-def reference_threads():
-    """Run the reference and the bounds on one thread; the backend's calls (``backend_threads``)
-    get the process's thread count back. The reference's many small float64 GEMMs gain nothing
-    from threads and lose much to waking them (a ci run took several times the CPU time with two
-    threads: docs/performance.md, "Figures behind the code"); the backend is certified as users
-    run it."""
-    outer = _BACKEND_THREADS[0]
-    n = torch.get_num_threads() if outer is None else outer
-    _BACKEND_THREADS[0] = n
-    if n != 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        _BACKEND_THREADS[0] = outer
-        if n != 1:
-            torch.set_num_threads(n)
-
-
-@contextmanager
-def backend_threads():
-    """The process's thread count for the backend's own calls (inside ``reference_threads``)."""
-    n = _BACKEND_THREADS[0]
-    if n is None or n == 1:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(1)
-
-
-def _quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
-    with backend_threads():
-        q = backend_quantize(backend, x, scheme, scale)
-    if not isinstance(q, Quantized):
-        raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
-    if q.scheme != scheme:
-        raise ContractViolation(f"quantize returned scheme {q.scheme.short_str()}, asked for {scheme.short_str()}")
-    if tuple(q.data.shape) != tuple(x.shape):
-        raise ContractViolation(f"quantize returned data of shape {tuple(q.data.shape)} for x {tuple(x.shape)}")
-    return q
-
-
-def _ref_quantize(x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
-    try:
-        return quant.quantize(x, scheme, scale)
-    except ValueError as exc:  # e.g. a scale overflowing an fp16 scale_dtype: outside the spec's domain
-        raise Declined(f"reference refuses the input: {exc}") from None
-
-
-def _build(problem):
-    """``problem.build()``, declined when the spec itself refuses the problem's inputs (a bias that
-    cancels a row is built from the spec's quantization, which raises, e.g., for a scale that
-    overflows an fp16 scale dtype): an input the spec rejects is never a backend's fault."""
-    try:
-        return problem.build()
-    except ValueError as exc:
-        raise Declined(f"premise: the spec refuses the input: {exc}") from None
-
-
-def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan")) -> torch.Tensor:
-    M, N = a.data.shape[0], b.data.shape[0]
-    poison_allocator((M, N), a.data.device, poison)
-    with backend_threads():
-        y = backend.scaled_mm(a, backend.prepare_weight(b), bias, out_dtype)
-    if not isinstance(y, torch.Tensor):
-        raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
-    if tuple(y.shape) != (M, N):
-        raise ContractViolation(f"scaled_mm returned shape {tuple(y.shape)}, expected [M, N] = [{M}, {N}]")
-    if y.dtype != out_dtype:
-        raise ContractViolation(f"scaled_mm returned dtype {y.dtype}, asked for {out_dtype}")
-    return y
-
-
-def _same_bits(u: torch.Tensor, v: torch.Tensor) -> bool:
-    return compare_bits("", u, v).ok
-
-
-def _first_diff(u: torch.Tensor, v: torch.Tensor) -> str:
-    """Where ``u`` and ``v`` first differ in their bits (``fp8ref.spec.compare.compare_bits``)."""
-    verdict = compare_bits("", u, v)
-    w = verdict.worst
-    if w is None:
-        return "shapes or dtypes differ"
-    return f"first difference at {w.index}: {w.value!r} vs {w.reference!r} ({verdict.n_bad} elements differ)"
-
-
-def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, *,
-                  dtype: torch.dtype | None = None) -> float:
-    """``fp8ref.spec.compare``: raise ``ContractViolation`` with its message unless every element is
-    within the bound (and, given ``dtype``, of that dtype); return the worst error/bound ratio."""
-    verdict = compare(what, value, ref, bound, dtype=dtype)
-    if not verdict.ok:
-        raise ContractViolation(verdict.message(), ratio=verdict.ratio)
-    return verdict.ratio
-
-
-def _neg(q: Quantized) -> Quantized:
-    # Negate through float: FNUZ formats have no -0, so flipping the sign bit of 0 would be NaN.
-    return Quantized((-q.data.to(torch.float32)).to(q.data.dtype), q.scale, q.scheme)
-
-
-# --------------------------------------------------------------------------------------------
-# reference results, cached across checks
-
-#: The reference's results for a problem are a pure function of the (frozen) problem, so they are
-#: computed once per process and shared by every contract and every backend checked against the
-#: same problem (the sweep gives most backends the same problems). Backends get copies.
-_CACHE: OrderedDict = OrderedDict()
-_CACHE_MAX = 4096
-
-
-def _cached(key, compute):
-    hit = _CACHE.get(key)
-    if hit is None:
-        try:
-            hit = ("ok", compute())
-        except Declined as exc:
-            hit = ("declined", exc)
-        _CACHE[key] = hit
-        if len(_CACHE) > _CACHE_MAX:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
-    if hit[0] == "declined":
-        raise Declined(str(hit[1]))
-    return hit[1]
-
-
-def _copy(q: Quantized) -> Quantized:
-    return Quantized(q.data.clone(), q.scale.clone(), q.scheme)

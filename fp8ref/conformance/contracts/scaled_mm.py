@@ -1,159 +1,24 @@
-"""The scaled_mm contracts' checks: the bound, finiteness, every output written, determinism, sign
-symmetry, scale equivariance, batch invariance, and the accumulator probe against the declaration."""
+"""The scaled_mm contracts' checks. The per-problem checks (the bound, finiteness, every output
+written, determinism, sign symmetry, scale equivariance, batch invariance) live in the checking
+core, ``fp8ref.check.scaled_mm``, and are re-exported here; the accumulator probe against the
+declaration stays here, beside the crafted measurement it runs (``..probe``). Imports flow down:
+the checking core, the registry and ``..probe``."""
 
 from __future__ import annotations
 
 import math
 
-import torch
-
-from ...registry import Backend, Case, decline_reason
-from ...spec import gemm
-from ...spec.bounds import gemm_error_bound
-from ...spec.quant import Quantized
-from .. import strategies as fst
-from .common import (
-    ContractViolation,
-    Declined,
-    _build,
-    _cached,
-    _check_within,
-    _copy,
-    _first_diff,
-    _mm,
-    _neg,
-    _require,
-    _same_bits,
-    backend_threads,
+from ...check.scaled_mm import (  # noqa: F401 -- re-exported: the contract table and tests name them here
+    check_scaled_mm_all_written,
+    check_scaled_mm_batch_invariant,
+    check_scaled_mm_bound,
+    check_scaled_mm_deterministic,
+    check_scaled_mm_finite,
+    check_scaled_mm_scale_equivariance,
+    check_scaled_mm_sign_symmetry,
 )
-
-
-def _gemm_ref(p: fst.GemmProblem):
-    """``(a, b, bias, y64)``: copies of the operands and the reference's float64 result."""
-    def compute():
-        a, b, bias = _build(p)
-        y64 = gemm.scaled_mm(a, b, bias, out_dtype=torch.float64)
-        limit = torch.finfo(p.out_dtype).max / 2
-        if not bool(torch.isfinite(y64).all()) or bool((y64.abs() > limit).any()):
-            raise Declined(f"premise: the exact result overflows {p.out_dtype}")
-        return a, b, bias, y64
-
-    a, b, bias, y64 = _cached(("gemm", p), compute)
-    return _copy(a), _copy(b), None if bias is None else bias.clone(), y64
-
-
-def check_scaled_mm_bound(backend: Backend, p: fst.GemmProblem) -> float:
-    _require(backend, p.case())
-    a, b, bias, y64 = _gemm_ref(p)
-    y = _mm(backend, a, b, bias, p.out_dtype)
-    bound = _cached(("gemm_bound", p, backend.accumulation, backend.output_roundings), lambda: gemm_error_bound(
-        a, b, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
-        output_roundings=backend.output_roundings, y_ref=y64))
-    return _check_within(f"scaled_mm vs reference (gemm_error_bound, {backend.accumulation.name} accumulation, "
-                         f"{backend.output_roundings} output rounding(s))", y, y64, bound)
-
-
-def check_scaled_mm_finite(backend: Backend, p: fst.GemmProblem) -> float:
-    _require(backend, p.case())
-    a, b, bias, _ = _gemm_ref(p)
-    y = _mm(backend, a, b, bias, p.out_dtype)
-    bad = ~torch.isfinite(y)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ContractViolation(f"{int(bad.sum())} non-finite outputs from finite operands "
-                                f"(first {y[idx].item()} at {idx})")
-    return None
-
-
-def check_scaled_mm_all_written(backend: Backend, p: fst.GemmProblem) -> float:
-    _require(backend, p.case())
-    a, b, bias, _ = _gemm_ref(p)
-    y1 = _mm(backend, a, b, bias, p.out_dtype, poison=float("nan"))
-    if bool(torch.isnan(y1).any()):
-        idx = tuple(int(i) for i in torch.isnan(y1).nonzero()[0])
-        raise ContractViolation(f"{int(torch.isnan(y1).sum())} output elements are NaN after the output memory was "
-                                f"poisoned with NaN (first at {idx}): left unwritten")
-    y2 = _mm(backend, a, b, bias, p.out_dtype, poison=12345.0)
-    if not _same_bits(y1, y2):
-        raise ContractViolation(f"output depends on the previous contents of memory: {_first_diff(y1, y2)}")
-    return None
-
-
-def check_scaled_mm_deterministic(backend: Backend, p: fst.GemmProblem) -> float:
-    _require(backend, p.case())
-    a, b, bias, _ = _gemm_ref(p)
-    y1, y2 = _mm(backend, a, b, bias, p.out_dtype), _mm(backend, a, b, bias, p.out_dtype)
-    if not _same_bits(y1, y2):
-        raise ContractViolation(f"two identical calls differ: {_first_diff(y1, y2)}")
-    return None
-
-
-def check_scaled_mm_sign_symmetry(backend: Backend, p: fst.GemmProblem) -> float:
-    _require(backend, p.case())
-    a, b, bias, _ = _gemm_ref(p)
-    y1 = _mm(backend, a, b, bias, p.out_dtype)
-    y2 = _mm(backend, _neg(a), b, None if bias is None else -bias, p.out_dtype)
-    if not torch.equal(y2.to(torch.float64), -y1.to(torch.float64)):
-        return _check_within("scaled_mm(-a, b, -bias) must be -scaled_mm(a, b, bias)", y2, -y1.to(torch.float64),
-                             torch.zeros_like(y1, dtype=torch.float64))
-    return None
-
-
-def check_scaled_mm_scale_equivariance(backend: Backend, p: fst.GemmProblem) -> float:
-    _require(backend, p.case())
-    a, b, bias, _ = _gemm_ref(p)
-    f = 2.0**p.k
-    s2 = a.scale * f
-    info = torch.finfo(a.scale.dtype)
-    if not torch.equal(s2 / f, a.scale) or bool((s2 < info.tiny).any()) or not bool(torch.isfinite(s2).all()):
-        raise Declined("premise: scale * 2**k leaves the normal range of the scale dtype")
-    bias2 = None if bias is None else bias * f
-    if bias is not None and not torch.equal(bias2 / f, bias):
-        raise Declined("premise: bias * 2**k is not exact")
-    y1 = _mm(backend, a, b, bias, p.out_dtype)
-    y2 = _mm(backend, Quantized(a.data, s2, a.scheme), b, bias2, p.out_dtype)
-    oi = torch.finfo(p.out_dtype)
-    y1d, y2d = y1.to(torch.float64), y2.to(torch.float64)
-    # Only where neither result -- nor the product before the bias, which a backend declaring two
-    # output roundings may round on its own -- is near the subnormal range or overflow.
-    lo, hi = oi.smallest_normal * 2.0 ** (abs(p.k) + 1), oi.max / 2.0 ** (abs(p.k) + 1)
-
-    def in_range(t):
-        return ((t.abs() >= lo) & (t.abs() <= hi)) | (t == 0)
-
-    mask = in_range(y1d) & in_range(y2d)
-    if bias is not None:
-        prod = _cached(("gemm_product", p), lambda: gemm.scaled_mm(a, b, None, out_dtype=torch.float64))
-        mask &= in_range(prod) & in_range(prod * f)
-    if not bool(mask.any()):
-        raise Declined("premise: every output is near the subnormal or overflow range")
-    if not torch.equal(y2d[mask], y1d[mask] * f):
-        return _check_within(f"scaled_mm with a.scale*2**{p.k} (and bias*2**{p.k}) must give y*2**{p.k}",
-                             torch.where(mask, y2d, 0.0), torch.where(mask, y1d * f, 0.0),
-                             torch.zeros_like(y1d))
-    return None
-
-
-def _row_slice(q: Quantized, i: int) -> Quantized:
-    r, _ = q.scheme.block_shape(*q.data.shape)
-    return Quantized(q.data[i:i + 1], q.scale[i // r:i // r + 1], q.scheme)
-
-
-def check_scaled_mm_batch_invariant(backend: Backend, p: fst.GemmProblem) -> float:
-    _require(backend, p.case())
-    a, b, bias, _ = _gemm_ref(p)
-    y = _mm(backend, a, b, bias, p.out_dtype)
-    for i in sorted({0, p.M // 2, p.M - 1}):
-        sub = Case(1, p.N, p.K, p.recipe, torch.bfloat16, p.out_dtype, has_bias=p.has_bias, op="scaled_mm")
-        reason = decline_reason(backend, sub)
-        if reason is not None:
-            raise Declined(f"supports declines M=1: {reason}")
-        yi = _mm(backend, _row_slice(a, i), b, bias, p.out_dtype)
-        # Values, not bits: a zero's sign depends on summation order and matters to no one.
-        if not torch.equal(yi[0].to(torch.float64), y[i].to(torch.float64)):
-            raise ContractViolation(f"row {i} computed alone differs from row {i} of the batch of {p.M}: "
-                                    f"{_first_diff(yi[0], y[i])}")
-    return None
+from ...registry import Backend
+from .common import ContractViolation, Declined, backend_threads
 
 
 def declared_bits(backend: Backend) -> float:

@@ -1,0 +1,158 @@
+"""The linear contracts' checks: the end-to-end bound against the unquantized float64 linear, and the
+fused ``Backend.linear`` hook against ``scaled_mm(quantize(x))``.
+
+How the backend's linear is called is a hook, ``call_linear`` (``LinearCall``): the checking core
+sits below ``fp8ref.linear`` (the selector, which runs these checks as its compliance probe, is
+part of ``fp8ref.linear``'s own path), so it cannot call the api itself -- that import would point
+up, and while selecting it would recurse into the selection. The default, ``backend_linear``, is
+the backend's own ``prepare_weight`` and ``Backend.linear`` (the hook ``fp8ref.linear`` runs once
+a backend is chosen); the conformance contracts pass ``fp8ref.linear(..., backend=name)`` for a
+registered backend (``fp8ref.conformance.contracts.linear``), so a certificate covers the whole
+api path. Imports flow down: the registry, the spec, ``problems`` and ``common``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..registry import Backend
+from ..spec.bounds import linear_error_bound
+from ..spec.quant import Quantized
+from ..spec.schemes import Recipe
+from .common import (
+    ContractViolation,
+    Declined,
+    _build,
+    _check_within,
+    _first_diff,
+    _quantize,
+    _ref_quantize,
+    _require,
+    _same_bits,
+    backend_threads,
+    poison_allocator,
+)
+from .problems import LinearProblem
+
+
+def _linear_takes_scale(backend: Backend) -> bool:
+    """Whether ``backend.linear`` accepts ``scale=`` (hooks written before static scales do not)."""
+    try:
+        inspect.signature(backend.linear).bind_partial(scale=None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect: let the call decide
+        pass
+    return True
+
+
+def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scale):
+    if scale is not None and not _linear_takes_scale(backend):
+        raise Declined(f"premise: backend {backend.name!r}: linear() takes no scale=, so no static activation "
+                       f"scheme ({scheme.short_str()})")
+    with backend_threads():
+        if scale is None:
+            return backend.linear(x, prepared, bias, out_dtype, scheme)
+        return backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale)
+
+
+@dataclass(frozen=True)
+class LinearArgs:
+    """One call of a backend's linear as a check makes it: ``x``, the unquantized weight ``w`` and its
+    reference quantization ``qw`` (quantized once, as at load time), ``bias``, the ``recipe`` and
+    ``out_dtype``, and the static activation ``scale`` (None for a dynamic scheme)."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    qw: Quantized
+    bias: torch.Tensor | None
+    recipe: Recipe
+    out_dtype: torch.dtype
+    scale: torch.Tensor | None = None
+
+
+#: ``call_linear(backend, args) -> y``: how a check runs the backend's linear (``backend_linear``
+#: unless a layer above supplies the api path).
+LinearCall = Callable[[Backend, LinearArgs], Any]
+
+
+def backend_linear(backend: Backend, args: LinearArgs) -> Any:
+    """The backend's own linear: ``prepare_weight`` of the reference-quantized weight (of the float
+    weight itself for a layer that declares ``float_weight``), then the ``Backend.linear`` hook (a
+    fused kernel, or the default ``scaled_mm(quantize(x))``)."""
+    prepared = _prepare(backend, args.qw, args.w)
+    return _backend_linear(backend, args.x, prepared, args.bias, args.out_dtype, args.recipe.activation, args.scale)
+
+
+def _linear(backend: Backend, args: LinearArgs, call_linear: LinearCall) -> torch.Tensor:
+    """The backend's linear through ``call_linear``, on output memory poisoned first, its result's
+    type, shape and dtype checked."""
+    x, w, out_dtype = args.x, args.w, args.out_dtype
+    poison_allocator((x.shape[0], w.shape[0]), x.device)
+    y = call_linear(backend, args)
+    if not isinstance(y, torch.Tensor):
+        raise ContractViolation(f"linear returned {type(y).__name__}, not a tensor")
+    if tuple(y.shape) != (x.shape[0], w.shape[0]) or y.dtype != out_dtype:
+        raise ContractViolation(f"linear returned {tuple(y.shape)} {y.dtype}, expected "
+                                f"{(x.shape[0], w.shape[0])} {out_dtype}")
+    return y
+
+
+def check_linear_bound(backend: Backend, p: LinearProblem, *, call_linear: LinearCall = backend_linear) -> float:
+    """The backend's linear (run by ``call_linear``) against the float64 linear of the unquantized
+    inputs, within the bound computed from the spec's own quantization of x and w
+    (``linear_error_bound``): whatever scale the backend chose inside its linear, the bound never
+    reads it."""
+    _require(backend, p.case())
+    x, w, bias = _build(p)
+    scale = p.act_scale(x)
+    qx = _ref_quantize(x, p.recipe.activation, scale)
+    qw = _ref_quantize(w, p.recipe.weight)
+    y_true = x.to(torch.float64) @ w.to(torch.float64).T
+    if bias is not None:
+        y_true = y_true + bias.to(torch.float64)
+    if bool((y_true.abs() > torch.finfo(p.out_dtype).max / 4).any()):
+        raise Declined(f"premise: the exact result overflows {p.out_dtype}")
+    y = _linear(backend, LinearArgs(x, w, qw, bias, p.recipe, p.out_dtype, scale), call_linear)
+    bound = linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
+                               output_roundings=backend.output_roundings)
+    return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound of the spec's "
+                         "quantization)", y, y_true, bound)
+
+
+def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
+    """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
+    returns, bit for bit, on the weight prepared by ``prepare_weight``."""
+    _require(backend, p.case())
+    x, w, bias = _build(p)
+    scale = p.act_scale(x)
+    _ref_quantize(x, p.recipe.activation, scale)
+    qw = _ref_quantize(w, p.recipe.weight)
+    prepared = _prepare(backend, qw, w)
+    y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
+    qx = _quantize(backend, x, p.recipe.activation, scale)
+    with backend_threads():
+        y2 = backend.scaled_mm(qx, prepared, bias, p.out_dtype)
+    if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
+        raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
+                                f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
+    if not _same_bits(y1, y2):
+        raise ContractViolation(f"linear differs from scaled_mm(quantize): {_first_diff(y1, y2)}")
+    return 0.0
+
+
+def _prepare(backend: Backend, qw: Quantized, w: torch.Tensor) -> Any:
+    """The backend's prepared weight: from the spec's quantization ``qw`` (load time), or from the
+    float ``w`` itself for a layer that quantizes its own weight (``Backend.float_weight``)."""
+    with backend_threads():
+        if backend.float_weight:
+            return backend.prepare_weight(w)
+        return backend.prepare_weight(_to_device(qw, w.device))
+
+
+def _to_device(q: Quantized, device) -> Quantized:
+    return q if q.data.device == device else Quantized(q.data.to(device), q.scale.to(device), q.scheme)
