@@ -32,14 +32,17 @@ the reason (``fp8ref certify`` runs each peer in its own process). On jax, each 
 training step is jit-compiled by XLA (seconds per call: ``time_budget_s``), and inputs and outputs
 cross as jax arrays with the same bits (``jax_xla.to_jax``/``from_jax``).
 
-One row per backend and compute dtype (the declaration depends on the dtype): fp32 (operands dequantized in fp32, fp32
-GEMM: ``Accumulation.FP32``, one rounding), bf16 and fp16 (operands dequantized and rounded to the
-compute dtype, fp32-accumulating GEMM, result rounded, bias added and rounded again:
-``BF16_OPERANDS`` / ``FP16_OPERANDS``, two roundings). Conventions filled in: one scale per tensor,
+One row per backend and compute dtype (the declaration depends on the dtype): fp32 (operands
+dequantized in fp32, fp32 GEMM: ``Accumulation.FP32``, one rounding), bf16 and fp16 (operands
+dequantized and rounded to the compute dtype, fp32-accumulating GEMM, result rounded, bias added and
+rounded again: ``BF16_OPERANDS`` / ``FP16_OPERANDS``, two roundings); the accumulator probe, read
+through ``linear``, measures 24 bits on both backends. Conventions filled in: one scale per tensor,
 the reciprocal form (``reciprocal_scale``), no amax floor (an all-zero tensor keeps scale 1, the
 spec's ``zero_scale``), subnormal scales kept, the scale applied in the compute dtype
-(``scale_dtype``). Not filled in: the quotient ``x / s`` rounded to bf16/fp16
-before the E4M3 cast (two roundings, finding 15's), and the fp32 layer's bias rounded to bf16.
+(``scale_dtype``). Not filled in (docs/findings.md 25-28): a scale of 0 for a tiny amax, the fp16
+scale underflowing to 0, the fp32 layer's bias rounded to bf16, jax's fp16 division through an
+overflowing reciprocal; and the quotient ``x / s`` rounded to bf16/fp16 before the E4M3 cast (two
+roundings, as flax's finding 15), which the linear bound absorbs.
 """
 
 from __future__ import annotations

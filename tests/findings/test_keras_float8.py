@@ -78,8 +78,8 @@ print(top, *(float(v) for v in quantizers.quantize_and_dequantize(x, scale, "flo
 def test_jax_fp16_small_tensor_keeps_its_values():
     pytest.importorskip("jax")
     # scale = 0.0061 / 448 = 1.37e-5 (fp16 holds it, subnormal); x / scale is at most 448. XLA:CPU
-    # evaluates the fp16 division as x * (1 / scale) with the reciprocal in fp16, where 1 / 1.37e-5 =
-    # 72,990 overflows to Inf: every value clips to +-448 and dequantizes to +-0.0061.
+    # evaluates the fp16 division by a 0-d scale as x * (1 / scale) with the reciprocal in fp16, where
+    # 1 / 1.37e-5 = 72,990 overflows to Inf: every value clips to +-448 and dequantizes to +-0.0061.
     env = dict(os.environ, KERAS_BACKEND="jax")
     out = subprocess.run([sys.executable, "-c", _JAX_FP16_QDQ], capture_output=True, text=True, env=env, check=True)
     top, *got = (float(v) for v in out.stdout.split()[-4:])
