@@ -334,3 +334,17 @@ print(before == after_import == state(), before, state())
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.startswith("True"), out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _installed("keras"), reason="needs keras (docs/certified.md, 'Installing the peers')")
+def test_keras_torch_rows_of_the_certification_matrix_are_current():
+    """Recompute the three keras torch-backend rows (contracts only, each peer in its own process) and
+    compare their verdicts with docs/certified.md. Slow: about 1 minute on 2 cores (the jax rows,
+    about 3 minutes each, are left to ``fp8ref certify``)."""
+    from fp8ref.cli import main
+
+    rc = main(["certify", "--peer", "keras-dense-float8-bf16", "--peer", "keras-dense-float8-fp16",
+               "--peer", "keras-dense-float8-fp32", "--no-measure",
+               "--check", str(MATRIX), "--known-failures", str(ROOT / "properties" / "known_failures.py")])
+    assert rc == 0
