@@ -292,8 +292,8 @@ def test_a_layer_that_quantizes_its_float_weight_is_certified_end_to_end():
     """``Backend.float_weight``: the linear contract hands ``prepare_weight`` the float weight, and
     judges the layer against the bound computed from the spec's quantization (a layer whose weight
     scale clips fails); ``register_backend`` refuses such a layer (fp8ref.linear hands backends
-    quantized weights); certify measures a linear-only peer's outputs (the spec's own: all bit-exact) and reads its
-    accumulator through linear."""
+    quantized weights) and the calling contract declines it; certify measures a linear-only peer's outputs (the
+    spec's own: all bit-exact) and reads its accumulator through linear."""
     _FloatWeightLayer.seen = []
     ok = certify_peer(_FloatWeightLayer(), "dev", seed=0, contracts=["linear.bound"])
     assert ok.report.result("linear.bound").status == "pass", ok.report.result("linear.bound").message
@@ -308,6 +308,9 @@ def test_a_layer_that_quantizes_its_float_weight_is_certified_end_to_end():
     assert bad.report.result("linear.bound").status == "fail"
     with pytest.raises(ValueError, match="float_weight"):
         fp8ref.register_backend(_FloatWeightLayer())
+    layout = certify_peer(_FloatWeightLayer(), "dev", seed=0, contracts=["linear.layout"], measure=False)
+    res = layout.report.result("linear.layout")  # the calling contract hands a quantized weight: declined
+    assert res.status == "untested" and "takes the float weight" in res.note
 
 
 @pytest.mark.skipif(not _installed("keras"), reason="needs keras (docs/certified.md, 'Installing the peers')")
