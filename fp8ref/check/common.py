@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -16,8 +17,10 @@ from ..registry import Backend, Case, backend_quantize, decline_reason
 from ..spec import quant
 from ..spec.compare import compare, compare_bits
 from ..spec.quant import Quantized
+from .given import GIVEN_PROBLEMS
 
-__all__ = ["ContractViolation", "Declined", "poison_allocator", "reference_threads", "backend_threads"]
+__all__ = ["ContractViolation", "Declined", "poison_allocator", "reference_threads", "backend_threads",
+           "backend_device"]
 
 
 class ContractViolation(AssertionError):
@@ -98,9 +101,47 @@ def backend_threads():
         torch.set_num_threads(1)
 
 
+#: The device the backend's calls run on (see ``backend_device``); None: where the problem's tensors are.
+_BACKEND_DEVICE: list[torch.device | None] = [None]
+
+
+@contextmanager
+def backend_device(device: str | torch.device | None):
+    """Run the backend's calls on ``device`` while the problem, the reference and the bounds stay
+    on the CPU: the calls into a backend below move their inputs there and their results back.
+    The selector's probe runs a CUDA backend this way; the conformance driver gives a backend the
+    problem's own (CPU) tensors and never sets it."""
+    outer = _BACKEND_DEVICE[0]
+    _BACKEND_DEVICE[0] = None if device is None else torch.device(device)
+    try:
+        yield
+    finally:
+        _BACKEND_DEVICE[0] = outer
+
+
+def _dev(t):
+    """A tensor or ``Quantized`` (or None) on the backend's device (itself when already there)."""
+    device = _BACKEND_DEVICE[0]
+    if t is None or device is None:
+        return t
+    if isinstance(t, Quantized):
+        return t if t.data.device == device else replace(t, data=t.data.to(device), scale=t.scale.to(device))
+    return t if t.device == device else t.to(device)
+
+
+def _host(t):
+    """A backend's result (a tensor or ``Quantized``; anything else as is) back on the CPU, where
+    the reference is, when the backend runs on a device of its own."""
+    if _BACKEND_DEVICE[0] is None:
+        return t
+    if isinstance(t, Quantized) and isinstance(t.data, torch.Tensor) and isinstance(t.scale, torch.Tensor):
+        return replace(t, data=t.data.cpu(), scale=t.scale.cpu())
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
 def _quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
     with backend_threads():
-        q = backend_quantize(backend, x, scheme, scale)
+        q = _host(backend_quantize(backend, _dev(x), scheme, _dev(scale)))
     if not isinstance(q, Quantized):
         raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
     if q.scheme != scheme:
@@ -129,9 +170,10 @@ def _build(problem):
 
 def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan")) -> torch.Tensor:
     M, N = a.data.shape[0], b.data.shape[0]
+    a, b, bias = _dev(a), _dev(b), _dev(bias)
     poison_allocator((M, N), a.data.device, poison)
     with backend_threads():
-        y = backend.scaled_mm(a, backend.prepare_weight(b), bias, out_dtype)
+        y = _host(backend.scaled_mm(a, backend.prepare_weight(b), bias, out_dtype))
     if not isinstance(y, torch.Tensor):
         raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
     if tuple(y.shape) != (M, N):
@@ -180,16 +222,20 @@ _CACHE_MAX = 4096
 
 
 def _cached(key, compute):
-    hit = _CACHE.get(key)
+    """``compute()``, memoised under ``key`` (whose second entry is the problem): in the problem's
+    own ``memo`` for a problem on given tensors (``given``: its results live and die with it, and
+    the process-wide cache never holds a caller's tensors), in the process-wide LRU otherwise."""
+    store = key[1].memo if isinstance(key[1], GIVEN_PROBLEMS) else _CACHE
+    hit = store.get(key)
     if hit is None:
         try:
             hit = ("ok", compute())
         except Declined as exc:
             hit = ("declined", exc)
-        _CACHE[key] = hit
-        if len(_CACHE) > _CACHE_MAX:
+        store[key] = hit
+        if store is _CACHE and len(_CACHE) > _CACHE_MAX:
             _CACHE.popitem(last=False)
-    else:
+    elif store is _CACHE:
         _CACHE.move_to_end(key)
     if hit[0] == "declined":
         raise Declined(str(hit[1]))

@@ -28,7 +28,9 @@ from .common import (
     Declined,
     _build,
     _check_within,
+    _dev,
     _first_diff,
+    _host,
     _quantize,
     _ref_quantize,
     _require,
@@ -54,10 +56,11 @@ def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scal
     if scale is not None and not _linear_takes_scale(backend):
         raise Declined(f"premise: backend {backend.name!r}: linear() takes no scale=, so no static activation "
                        f"scheme ({scheme.short_str()})")
+    x, bias, scale = _dev(x), _dev(bias), _dev(scale)
     with backend_threads():
         if scale is None:
-            return backend.linear(x, prepared, bias, out_dtype, scheme)
-        return backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale)
+            return _host(backend.linear(x, prepared, bias, out_dtype, scheme))
+        return _host(backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale))
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def backend_linear(backend: Backend, args: LinearArgs) -> Any:
     """The backend's own linear: ``prepare_weight`` of the reference-quantized weight, then the
     ``Backend.linear`` hook (a fused kernel, or the default ``scaled_mm(quantize(x))``)."""
     with backend_threads():
-        prepared = backend.prepare_weight(_to_device(args.qw, args.x.device))
+        prepared = backend.prepare_weight(_dev(args.qw))
     return _backend_linear(backend, args.x, prepared, args.bias, args.out_dtype, args.recipe.activation, args.scale)
 
 
@@ -92,7 +95,7 @@ def _linear(backend: Backend, args: LinearArgs, call_linear: LinearCall) -> torc
     """The backend's linear through ``call_linear``, on output memory poisoned first, its result's
     type, shape and dtype checked."""
     x, w, out_dtype = args.x, args.w, args.out_dtype
-    poison_allocator((x.shape[0], w.shape[0]), x.device)
+    poison_allocator((x.shape[0], w.shape[0]), _dev(x).device)
     y = call_linear(backend, args)
     if not isinstance(y, torch.Tensor):
         raise ContractViolation(f"linear returned {type(y).__name__}, not a tensor")
@@ -133,11 +136,11 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     _ref_quantize(x, p.recipe.activation, scale)
     qw = _ref_quantize(w, p.recipe.weight)
     with backend_threads():
-        prepared = backend.prepare_weight(_to_device(qw, x.device))
+        prepared = backend.prepare_weight(_dev(qw))
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
     qx = _quantize(backend, x, p.recipe.activation, scale)
     with backend_threads():
-        y2 = backend.scaled_mm(qx, prepared, bias, p.out_dtype)
+        y2 = _host(backend.scaled_mm(_dev(qx), prepared, _dev(bias), p.out_dtype))
     if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
         raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
                                 f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
@@ -146,5 +149,30 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     return 0.0
 
 
-def _to_device(q: Quantized, device) -> Quantized:
-    return q if q.data.device == device else Quantized(q.data.to(device), q.scale.to(device), q.scheme)
+def check_linear_refuses_non_finite(backend: Backend, p: LinearProblem) -> float:
+    """A backend declaring ``rejects_non_finite`` raises ``ValueError`` from its linear for NaN in x
+    and for NaN in the bias, as the spec does (``fp8ref.linear`` then skips its own scans of x and
+    the bias, so a false declaration would let NaN through unannounced). This is the part of the
+    calling contract's ``linear.non_finite`` that the declaration promises (that contract checks
+    every declared ``Backend.non_finite`` answer, on every kind of input, with Inf too); premise:
+    the backend declares it."""
+    if not backend.rejects_non_finite:
+        raise Declined(f"premise: backend {backend.name!r} does not declare rejects_non_finite")
+    _require(backend, p.case())
+    x, w, bias = _build(p)
+    qw = _ref_quantize(w, p.recipe.weight)
+    with backend_threads():
+        prepared = backend.prepare_weight(_dev(qw))
+    bad_x = x.clone()
+    bad_x[0, 0] = float("nan")
+    bad_bias = torch.zeros(w.shape[0], dtype=x.dtype) if bias is None else bias.clone()
+    bad_bias[0] = float("nan")
+    for what, xb in (("x", (bad_x, bias)), ("the bias", (x, bad_bias))):
+        try:
+            _backend_linear(backend, xb[0], prepared, xb[1], p.out_dtype, p.recipe.activation, None)
+        except ValueError:
+            continue
+        raise ContractViolation(f"declares rejects_non_finite, but linear() with NaN in {what} did not raise "
+                                "ValueError")
+    return 0.0
+
