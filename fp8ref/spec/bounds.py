@@ -228,11 +228,17 @@ def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     The first term is round-to-nearest on the FP8 grid (normal and subnormal range); the second
     the fp32 evaluation of x / s with d = 2 roundings, which admits x * (1/s) as well as a true
     division (d = 3 for float64 input, which is first rounded to fp32); the third the clamp at
-    qmax, non-zero only for saturated elements.
+    qmax, non-zero only for saturated elements. With ``multiply_codes`` v = fl32(x m) for m the
+    multiplier, and m = (1 / s)(1 + d) (m = fl32(1 / s), or s = fl32(1 / m)): again two roundings.
+    With ``multiplier_scale`` (the stored scale is m, x ~ q / m) the bound is
+    ``conforming_quantization_error_bound``'s for the single multiplier m.
     """
     if flushing():  # the spec computes with subnormals kept (fenv.py)
         with ieee_subnormals():
             return quantization_error_bound(x, q)
+    if q.scheme.multiplier_scale:  # the dequantization scale 1 / m is not an fp32 number: bracket it
+        m = q.scale.to(torch.float64)
+        return _interval_bound(x, q.scheme, *_reciprocal_interval(m, m))
     rows, cols = x.shape
     fmt, qmax = q.scheme.format, q.scheme.qmax
     s32 = expand_scale(q.scale.to(torch.float32), q.scheme, rows, cols)
@@ -267,6 +273,29 @@ def scale_interval(ref: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.clamp(s - tol, min=_eta(ref.scheme.scale_dtype)), s + tol
 
 
+def _reciprocal_interval(m_lo: torch.Tensor, m_hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``(lo, hi)`` with lo <= 1 / m_hi and 1 / m_lo <= hi exactly: the dequantization scales of
+    multipliers in [m_lo, m_hi]. Each fp64 reciprocal and product errs by <= u64 relative, so widening
+    by 2 u64 outward brackets the exact reciprocal ((1 + u64)^2 (1 - 2 u64) < 1)."""
+    return (1.0 / m_hi) * (1 - 2 * U_FP64), (1.0 / m_lo) * (1 + 2 * U_FP64)
+
+
+def _interval_bound(x: torch.Tensor, scheme: QuantScheme, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``conforming_quantization_error_bound``'s inequality for dequantization scales in [lo, hi] (per
+    block, float64), plus, for a stored multiplier, the fp64 rounding of ``q / m`` in ``dequantize``
+    (|q| <= qmax, so <= u64 qmax hi)."""
+    rows, cols = x.shape
+    fmt, qmax = scheme.format, scheme.qmax
+    s_lo, s_hi = expand_scale(lo, scheme, rows, cols), expand_scale(hi, scheme, rows, cols)
+    ax = x.to(torch.float64).abs()
+    g = gamma(3 if x.dtype == torch.float64 else 2, U_FP32)
+    v_max = ax / s_lo * (1 + g)
+    bound = s_hi * fmt.ulp(torch.clamp(v_max, max=qmax)) / 2 + g * ax + torch.clamp(ax - qmax * s_lo, min=0)
+    if scheme.multiplier_scale:
+        bound = bound + U_FP64 * qmax * s_hi
+    return bound
+
+
 def conforming_quantization_error_bound(x: torch.Tensor, ref: Quantized) -> torch.Tensor:
     """Elementwise bound on |dequantize(q) - x| for *every* q a conforming quantizer may return.
 
@@ -288,20 +317,21 @@ def conforming_quantization_error_bound(x: torch.Tensor, ref: Quantized) -> torc
     is at most s' |v' - x / s'|). Where s_lo = s_hi = s (static and power-of-two schemes) this is
     ``quantization_error_bound(x, ref)``. An fp32 quotient that underflows (|x / s'| < 2**-126)
     needs no absolute term: q is then 0 and |x| < s' 2**-126 is far below the first term.
+
+    With ``multiplier_scale`` the stored m' lies in ``scale_interval`` and the dequantization scale
+    is s' = 1 / m', bracketed outward in float64; v' = fl32(x m') = (x / s')(1 + d), |d| <= u32, so
+    the same inequality holds, plus ``u64 qmax s_hi`` for ``dequantize``'s rounded fp64 quotient
+    q / m' (docs/spec.md §5.1).
     """
     if flushing():  # the spec computes with subnormals kept (fenv.py)
         with ieee_subnormals():
             return conforming_quantization_error_bound(x, ref)
     lo, hi = scale_interval(ref)
+    if ref.scheme.multiplier_scale:  # stored multipliers m in [lo, hi]: dequantization scales 1 / m
+        return _interval_bound(x, ref.scheme, *_reciprocal_interval(lo, hi))
     if torch.equal(lo, hi):
         return quantization_error_bound(x, ref)
-    rows, cols = x.shape
-    fmt, qmax, scheme = ref.scheme.format, ref.scheme.qmax, ref.scheme
-    s_lo, s_hi = expand_scale(lo, scheme, rows, cols), expand_scale(hi, scheme, rows, cols)
-    ax = x.to(torch.float64).abs()
-    g = gamma(3 if x.dtype == torch.float64 else 2, U_FP32)
-    v_max = ax / s_lo * (1 + g)
-    return s_hi * fmt.ulp(torch.clamp(v_max, max=qmax)) / 2 + g * ax + torch.clamp(ax - qmax * s_lo, min=0)
+    return _interval_bound(x, ref.scheme, lo, hi)
 
 
 def _mass(a: Quantized, b: Quantized) -> tuple[torch.Tensor, int]:

@@ -58,7 +58,12 @@ def check_x(x) -> None:
 
 def check_weight(w, recipe: Recipe, what: str = "w") -> None:
     """Type, layout, dtype, shape, device and values of a weight ``[N, K]``: a float tensor, or a
-    ``Quantized`` of ``recipe.weight`` whose codes are finite and scales finite and > 0."""
+    ``Quantized`` of ``recipe.weight`` whose codes are finite and scales finite and > 0; first, that
+    no scheme of the recipe stores a multiplier (a linear takes dequantization scales)."""
+    for role, scheme in (("weight", recipe.weight), ("activation", recipe.activation)):
+        if scheme.multiplier_scale:
+            raise ValueError(f"recipe {recipe.name}'s {role} scheme {scheme.short_str()} stores a multiplier "
+                             "(x ~ q / m): a linear takes dequantization scales (x ~ q * s)")
     if isinstance(w, Quantized):
         if w.scheme != recipe.weight:
             raise ValueError(f"{what} was quantized as {w.scheme.short_str()}, recipe {recipe.name} expects "
@@ -120,10 +125,11 @@ def check_linear_args(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.
 
     What ``fp8ref.linear``, ``fp8ref.explain`` and ``reference_linear`` check before anything else
     runs, in this order: x's type, layout (dense: not sparse, mkldnn or nested), device (not meta),
-    dtype (float32/16, bfloat16, float64; not FP8) and rank; the recipe; w's type, layout, dtype,
-    shape, device, values (float: finite; ``Quantized``: its scheme is the recipe's, codes and
-    scales on one device, no NaN/Inf codes, finite positive scales); x's K and device against w's;
-    bias's type, layout, dtype, shape [N] and device; ``out_dtype``; NaN/Inf in x and bias.
+    dtype (float32/16, bfloat16, float64; not FP8) and rank; the recipe (no scheme that stores a
+    multiplier); w's type, layout, dtype, shape, device, values (float: finite; ``Quantized``: its
+    scheme is the recipe's, codes and scales on one device, no NaN/Inf codes, finite positive
+    scales); x's K and device against w's; bias's type, layout, dtype, shape [N] and device;
+    ``out_dtype``; NaN/Inf in x and bias.
 
     Raises
     ------

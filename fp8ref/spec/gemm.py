@@ -95,6 +95,10 @@ def check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dt
     ``finite_bias=False`` skips the NaN/Inf scan of the bias (a device sync on hot paths)."""
     if not isinstance(a, Quantized) or not isinstance(b, Quantized):
         raise TypeError("scaled_mm takes two fp8ref.Quantized operands: a [M, K] activations, b [N, K] weights")
+    for what, q in (("a", a), ("b", b)):
+        if q.scheme.multiplier_scale:
+            raise ValueError(f"{what} was quantized as {q.scheme.short_str()}, whose scale is a multiplier "
+                             "(x ~ q / m): scaled_mm takes dequantization scales (x ~ q * s)")
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"K mismatch: a is {tuple(a.data.shape)} [M, K] but b is {tuple(b.data.shape)} [N, K]")
     if a.data.shape[1] == 0:  # as the quantizer says: K = 0 is the caller's error, not an empty sum

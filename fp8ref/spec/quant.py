@@ -4,11 +4,14 @@ For a block B of ``x`` (shape ``[rows, cols]``, blocks from the scheme's granula
 
     amax  = max |x_i| over B                       (in fp32: exact)
     s     = max(amax, floor) / qmax                (correctly rounded to scale_compute_dtype, fp32
-                                                    by default; s = zero_scale if it is 0)
+                                                    by default; with reciprocal_scale
+                                                    fl32(1 / fl32(qmax / max(amax, floor)));
+                                                    s = zero_scale if it is 0)
     s     = 2**ceil(log2 s)                        (only with pow2_scale)
     s     = round(s, scale_dtype)                  (stored scale; at least scale_dtype's smallest
                                                     normal, or subnormal with subnormal_scales)
-    v_i   = fl32(x_i / s)                          (a true IEEE division, one rounding)
+    v_i   = fl32(x_i / s)                          (a true IEEE division, one rounding; with
+                                                    multiply_codes fl32(x_i * m), docs/spec.md §3)
     q_i   = RNE_fmt(clamp(v_i, -qmax, qmax))       (one rounding to the FP8 grid)
 
 and ``x_i ~ q_i * s`` (the *dequantization* scale, the convention of ``torch._scaled_mm``).
@@ -52,7 +55,8 @@ class Quantized:
     data : torch.Tensor
         FP8 codes, ``[rows, cols]``, dtype ``scheme.format.torch_dtype``.
     scale : torch.Tensor
-        Dequantization scales, ``scheme.scale_shape(rows, cols)``, dtype ``scheme.scale_dtype``.
+        Dequantization scales, ``scheme.scale_shape(rows, cols)``, dtype ``scheme.scale_dtype``
+        (multipliers, ``x ~ data / scale``, when ``scheme.multiplier_scale``).
     scheme : QuantScheme
         The scheme that produced it.
     n_saturated : int or None
@@ -143,31 +147,55 @@ def expand_scale(scale: torch.Tensor, scheme: QuantScheme, rows: int, cols: int)
 
 
 def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Dynamic dequantization scale per block of the 2-D tensor ``x``, in ``scheme.scale_dtype``.
+    """Dynamic scale per block of the 2-D tensor ``x``, in ``scheme.scale_dtype``: the dequantization
+    scale, or with ``multiplier_scale`` the multiplier.
 
     Notes
     -----
     s = max(amax, floor) / qmax correctly rounded to ``scale_compute_dtype`` (fp32 by default;
     computed in fp32 and rounded once more, which equals the correctly rounded quotient because
-    fp32 carries more than 2p + 2 bits of a bf16/fp16 significand), ``zero_scale`` where that is
-    0, then rounded up to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never
-    below that dtype's smallest normal (smallest subnormal with ``subnormal_scales``). Hence
-    s > 0 and finite for every finite input.
+    fp32 carries more than 2p + 2 bits of a bf16/fp16 significand) -- or, with ``reciprocal_scale``,
+    s = fl32(1 / fl32(qmax / max(amax, floor))), where a multiplier that overflows to Inf (amax 0
+    with no floor, or amax below qmax / 2**128) gives 0 --, ``zero_scale`` where that is 0, then
+    rounded up to a power of two if ``pow2_scale``, then stored in ``scale_dtype``, never below
+    that dtype's smallest normal (smallest subnormal with ``subnormal_scales``). Hence
+    s > 0 and finite for every finite input. With ``multiplier_scale`` it returns
+    m = fl32(qmax / max(amax, floor)) instead, fl32(1 / zero_scale) where that overflows.
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return compute_scale(x, scheme)
+    return _dynamic_scale(x, scheme)[0]
+
+
+def _amax(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """max |x| per block, fp32 (exact), in ``scheme.scale_shape``."""
     rows, cols = x.shape
     r, c = scheme.block_shape(rows, cols)
     if x.numel() == 0:
-        amax = torch.zeros(scheme.scale_shape(rows, cols), dtype=torch.float32, device=x.device)
-    elif scheme.granularity is Granularity.TENSOR:
+        return torch.zeros(scheme.scale_shape(rows, cols), dtype=torch.float32, device=x.device)
+    if scheme.granularity is Granularity.TENSOR:
         amax = torch.stack([x[r0:r1].abs().amax().to(torch.float32) for r0, r1 in _row_chunks(rows, cols, 1)])
-        amax = amax.amax().reshape(1, 1)
-    else:
-        amax = torch.cat([_blocks(x[r0:r1].to(torch.float32).abs(), r, c).amax(dim=(1, 3))
-                          for r0, r1 in _row_chunks(rows, cols, r)])
-    s = torch.clamp(amax, min=scheme.amax_floor) / scheme.qmax
+        return amax.amax().reshape(1, 1)
+    return torch.cat([_blocks(x[r0:r1].to(torch.float32).abs(), r, c).amax(dim=(1, 3))
+                      for r0, r1 in _row_chunks(rows, cols, r)])
+
+
+def _dynamic_scale(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(stored scale, multiplier): ``compute_scale``'s scale and, where the scheme derives the scale
+    from a multiplier (``reciprocal_scale``, ``multiplier_scale``), that fp32 multiplier (else None)."""
+    if flushing():  # the spec computes with subnormals kept (fenv.py)
+        with ieee_subnormals():
+            return _dynamic_scale(x, scheme)
+    amax = _amax(x, scheme)
+    floored = torch.clamp(amax, min=scheme.amax_floor)
+    # a tensor numerator: torch evaluates ``float / tensor`` as float * (1 / tensor), a second rounding
+    mult = torch.full_like(floored, scheme.qmax) / floored if scheme.reciprocal_scale or scheme.multiplier_scale \
+        else None
+    if scheme.multiplier_scale:
+        m = torch.where(torch.isinf(mult), torch.full_like(mult, 1.0 / scheme.zero_scale), mult)
+        if not bool((m > 0).all()):
+            raise ValueError(f"a multiplier qmax / amax underflows fp32 (qmax {scheme.qmax:g} / amax "
+                             f"{float(amax.max()):g}); use a larger qmax")
+        return m, m
+    s = torch.reciprocal(mult) if scheme.reciprocal_scale else floored / scheme.qmax
     if scheme.scale_compute_dtype != torch.float32:
         s = s.to(scheme.scale_compute_dtype).to(torch.float32)
     s = torch.where(s == 0, torch.full_like(s, scheme.zero_scale), s)
@@ -180,7 +208,20 @@ def compute_scale(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     if not bool(torch.isfinite(s).all()):
         raise ValueError(f"a scale overflows {scheme.scale_dtype} (amax {float(amax.max()):g} / qmax "
                          f"{scheme.qmax:g} > {info.max:g}); use a wider scale_dtype")
-    return s
+    return s, mult
+
+
+def _code_multiplier(s: torch.Tensor, mult: torch.Tensor | None, scheme: QuantScheme) -> torch.Tensor:
+    """The fp32 m of ``multiply_codes`` per block: the stored multiplier (``multiplier_scale``); the
+    multiplier the scale was derived from where the stored scale is exactly its fp32 reciprocal;
+    else fl32(1 / s) (Inf where s is subnormal: those blocks divide)."""
+    if scheme.multiplier_scale:
+        return s.to(torch.float32)
+    s32 = s.to(torch.float32)
+    inv = torch.reciprocal(s32)
+    if mult is None:
+        return inv
+    return torch.where(torch.reciprocal(mult) == s32, mult, inv)
 
 
 def saturation_threshold(fmt: Fp8Format, qmax: float) -> float:
@@ -254,14 +295,16 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | None = None, scale: torch.Te
         raise TypeError(f"scheme must be a QuantScheme, got {type(scheme).__name__}")
     check_float_input(x)
     rows, cols = x.shape
+    mult = None
     if scheme.dynamic:
         if scale is not None:
             raise ValueError(f"scheme {scheme.short_str()} is dynamic: pass no scale (or use dynamic=False)")
-        s = compute_scale(x, scheme)
+        s, mult = _dynamic_scale(x, scheme)
     else:
         if scale is None:
             raise ValueError(f"scheme {scheme.short_str()} is static: quantize needs scale=")
         s = _static_scale(scale, scheme, rows, cols, x.device)
+    m32 = _code_multiplier(s, mult, scheme) if scheme.multiply_codes else None
     fmt = scheme.format
     threshold = saturation_threshold(fmt, scheme.qmax)
     data = torch.empty(x.shape, dtype=fmt.torch_dtype, device=x.device)
@@ -270,24 +313,35 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | None = None, scale: torch.Te
     n_sat = 0
     for r0, r1 in _row_chunks(rows, cols, r):
         if scheme.granularity is Granularity.TENSOR:
-            s_chunk = s32
+            s_chunk, m_chunk = s32, m32
         else:  # the chunk starts on a block boundary, so its scale rows are whole
             s_chunk = expand_scale(s32[r0 // r:-(-r1 // r)], scheme, r1 - r0, cols)
-        v = x[r0:r1].to(torch.float32) / s_chunk
+            m_chunk = None if m32 is None else expand_scale(m32[r0 // r:-(-r1 // r)], scheme, r1 - r0, cols)
+        x32 = x[r0:r1].to(torch.float32)
+        if m_chunk is None:
+            v = x32 / s_chunk
+        elif scheme.multiplier_scale:
+            v = x32 * m_chunk
+        else:  # where 1 / s overflows (a subnormal s) the block divides: 0 * Inf would be NaN
+            v = torch.where(torch.isfinite(m_chunk), x32 * m_chunk, x32 / s_chunk)
         n_sat += int((v.abs() > threshold).sum())
         data[r0:r1] = round_to_format(v, fmt, scheme.qmax)
     return Quantized(data, s, scheme, n_sat)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``data * scale`` per element, computed exactly in fp64 and rounded once to ``dtype``.
+    """``data * scale`` per element, computed exactly in fp64 and rounded once to ``dtype``
+    (``data / scale`` with ``multiplier_scale``: correctly rounded in fp64, then to ``dtype``).
 
     The product of a 4-bit FP8 significand and a <= 24-bit scale significand has at most 28
-    bits, so the fp64 product is exact.
+    bits, so the fp64 product is exact. A quotient is not, but rounding it to fp64 and then to
+    fp32, bf16 or fp16 is innocuous double rounding (53 >= 2 * 24 + 2 bits).
     """
     if flushing():  # the spec computes with subnormals kept (fenv.py)
         with ieee_subnormals():
             return dequantize(q, dtype)
     rows, cols = q.data.shape
     s = expand_scale(q.scale.to(torch.float64), q.scheme, rows, cols)
+    if q.scheme.multiplier_scale:
+        return (q.data.to(torch.float64) / s).to(dtype)
     return (q.data.to(torch.float64) * s).to(dtype)

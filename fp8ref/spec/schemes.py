@@ -89,6 +89,26 @@ class QuantScheme:
     subnormal_scales : bool
         Keep a stored scale that is subnormal in ``scale_dtype`` (as torch's bf16/fp16 division
         does) instead of raising it to the dtype's smallest normal. Either way the scale is > 0.
+    reciprocal_scale : bool
+        Compute the dynamic scale as the reciprocal of a multiplier, ``1 / (qmax / max(amax,
+        floor))``, each division rounded to ``scale_compute_dtype`` (TransformerEngine, flax's and
+        keras' ``compute_scale``, SGLang's ``input_to_float8``), instead of the quotient ``max(amax,
+        floor) / qmax`` rounded once. Two roundings: the scale can differ from the quotient's by a
+        grid step. Dynamic schemes computed in fp32 only (every peer that uses the form does).
+    multiply_codes : bool
+        Compute the codes as ``RNE(clamp(fl32(x * m)))`` with a multiplier ``m`` instead of
+        ``RNE(clamp(fl32(x / s)))`` (SGLang's ``input_to_float8`` and Triton quantizers, vLLM's per-tensor
+        path, TransformerEngine, torchao's float8 training). ``m`` is the multiplier the scale was
+        derived from where the stored scale is its fp32 reciprocal (``reciprocal_scale``), the stored
+        multiplier (``multiplier_scale``), else ``fl32(1 / s)``; a block whose ``1 / s`` overflows
+        divides. Both forms are within the same quantization bound (two fp32 roundings, docs/spec.md
+        §5.1): this is a bit-exact-reference matter.
+    multiplier_scale : bool
+        The stored scale is the multiplier ``m = fl32(qmax / max(amax, floor))`` itself and
+        ``x ~ data / m`` (torchao's ``Float8TrainingTensor._scale``); needs ``multiply_codes``. A
+        block whose multiplier overflows (amax 0 with no floor) stores ``fl32(1 / zero_scale)``.
+        fp32 scales only, no power-of-two rounding. Quantization only: ``scaled_mm`` and ``linear``
+        take dequantization scales and refuse such operands.
 
     Examples
     --------
@@ -109,6 +129,9 @@ class QuantScheme:
     zero_scale: float = 1.0
     scale_compute_dtype: torch.dtype = torch.float32
     subnormal_scales: bool = False
+    reciprocal_scale: bool = False
+    multiply_codes: bool = False
+    multiplier_scale: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -151,15 +174,34 @@ class QuantScheme:
         if not isinstance(zs, (int, float)) or isinstance(zs, bool) or not math.isfinite(zs) or zs <= 0:
             raise ValueError(f"zero_scale must be a finite float > 0 (NaN or 0 scales are defects), got {zs!r}")
         object.__setattr__(self, "zero_scale", float(zs))
-        for flag in ("dynamic", "pow2_scale", "subnormal_scales"):
+        for flag in ("dynamic", "pow2_scale", "subnormal_scales", "reciprocal_scale", "multiply_codes",
+                     "multiplier_scale"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.reciprocal_scale and not self.dynamic:
+            raise ValueError("reciprocal_scale is a rule for computing a dynamic scale; a static scheme "
+                             "(dynamic=False) takes the caller's scale as given")
+        if self.reciprocal_scale and self.scale_compute_dtype != torch.float32:
+            raise ValueError("reciprocal_scale is computed in fp32 (scale_compute_dtype=torch.float32): "
+                             f"got {self.scale_compute_dtype}, where qmax / amax would overflow for small amax")
+        if self.multiplier_scale:
+            if not self.multiply_codes:
+                raise ValueError("multiplier_scale stores m and quantizes with x * m: set multiply_codes=True too")
+            if self.reciprocal_scale:
+                raise ValueError("multiplier_scale stores the multiplier itself; reciprocal_scale stores its "
+                                 "reciprocal: choose one")
+            if (self.scale_dtype != torch.float32 or self.scale_compute_dtype != torch.float32 or self.pow2_scale
+                    or self.subnormal_scales):
+                raise ValueError("multiplier_scale takes fp32 multipliers (scale_dtype and scale_compute_dtype "
+                                 "torch.float32), no pow2_scale and no subnormal_scales")
 
     @property
     def standard_scale_rule(self) -> bool:
-        """True when the scale follows the default rule: computed in fp32, 1 for a zero block, never
-        subnormal (what fp8ref's fast kernels implement; other conventions go to the reference)."""
-        return self.zero_scale == 1.0 and self.scale_compute_dtype == torch.float32 and not self.subnormal_scales
+        """True when the scale follows the default rule: the quotient computed in fp32, 1 for a zero
+        block, never subnormal, stored as a dequantization scale, and the codes divide by it (what
+        fp8ref's fast kernels implement; other conventions go to the reference)."""
+        return (self.zero_scale == 1.0 and self.scale_compute_dtype == torch.float32 and not self.subnormal_scales
+                and not self.reciprocal_scale and not self.multiply_codes and not self.multiplier_scale)
 
     def block_shape(self, rows: int, cols: int) -> tuple[int, int]:
         """(r, c): the extent of one scale's block for a ``[rows, cols]`` tensor (at least 1)."""
@@ -201,6 +243,12 @@ class QuantScheme:
             parts.append(str(self.scale_compute_dtype).replace("torch.", "c"))
         if self.subnormal_scales:
             parts.append("subn")
+        if self.reciprocal_scale:
+            parts.append("recip")
+        if self.multiply_codes:
+            parts.append("mul")
+        if self.multiplier_scale:
+            parts.append("smult")
         return "-".join(parts)
 
     def with_(self, **changes) -> QuantScheme:
