@@ -168,19 +168,39 @@ def _build(problem):
         raise Declined(f"premise: the spec refuses the input: {exc}") from None
 
 
-def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan")) -> torch.Tensor:
+def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan"), *,
+        rows: int | None = None) -> torch.Tensor:
+    """``backend.scaled_mm(a, prepare_weight(b), bias)`` on poisoned output memory, its result's type,
+    shape and dtype checked; with ``rows``, called on chunks of that many rows of ``a`` (the weight
+    prepared once) and the results stacked: the backend runs at a small M of the caller's choice
+    while the reference and the bound are computed once for all rows (every output row depends
+    only on its own row of ``a``, with that row's scales, and on ``b``)."""
     M, N = a.data.shape[0], b.data.shape[0]
     a, b, bias = _dev(a), _dev(b), _dev(bias)
-    poison_allocator((M, N), a.data.device, poison)
     with backend_threads():
-        y = _host(backend.scaled_mm(a, backend.prepare_weight(b), bias, out_dtype))
-    if not isinstance(y, torch.Tensor):
-        raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
-    if tuple(y.shape) != (M, N):
-        raise ContractViolation(f"scaled_mm returned shape {tuple(y.shape)}, expected [M, N] = [{M}, {N}]")
-    if y.dtype != out_dtype:
-        raise ContractViolation(f"scaled_mm returned dtype {y.dtype}, asked for {out_dtype}")
-    return y
+        prepared = backend.prepare_weight(b)
+    ys = []
+    for r0 in range(0, max(M, 1), rows or max(M, 1)):
+        ai = a if rows is None else _row_chunk(a, r0, min(r0 + rows, M))
+        m = ai.data.shape[0]
+        poison_allocator((m, N), a.data.device, poison)
+        with backend_threads():
+            y = _host(backend.scaled_mm(ai, prepared, bias, out_dtype))
+        if not isinstance(y, torch.Tensor):
+            raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
+        if tuple(y.shape) != (m, N):
+            raise ContractViolation(f"scaled_mm returned shape {tuple(y.shape)}, expected [M, N] = [{m}, {N}]")
+        if y.dtype != out_dtype:
+            raise ContractViolation(f"scaled_mm returned dtype {y.dtype}, asked for {out_dtype}")
+        ys.append(y)
+    return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+
+def _row_chunk(q: Quantized, r0: int, r1: int) -> Quantized:
+    """Rows ``r0:r1`` of ``q`` with the scales that cover them (a scale block of several rows is
+    kept whole: each row's scale is the one it was quantized with)."""
+    r, _ = q.scheme.block_shape(*q.data.shape)
+    return Quantized(q.data[r0:r1], q.scale[r0 // r:(r1 - 1) // r + 1], q.scheme)
 
 
 def _same_bits(u: torch.Tensor, v: torch.Tensor) -> bool:
@@ -221,11 +241,15 @@ _CACHE: OrderedDict = OrderedDict()
 _CACHE_MAX = 4096
 
 
-def _cached(key, compute):
+def _cached(key, compute, *, lru: bool = True):
     """``compute()``, memoised under ``key`` (whose second entry is the problem): in the problem's
     own ``memo`` for a problem on given tensors (``given``: its results live and die with it, and
-    the process-wide cache never holds a caller's tensors), in the process-wide LRU otherwise."""
-    store = key[1].memo if isinstance(key[1], GIVEN_PROBLEMS) else _CACHE
+    the process-wide cache never holds a caller's tensors), in the process-wide LRU otherwise --
+    or, with ``lru=False``, not at all (results whose tensors may be large and which few checks
+    share: a described problem recomputes them, as before they were memoised for given ones)."""
+    store = key[1].memo if isinstance(key[1], GIVEN_PROBLEMS) else _CACHE if lru else None
+    if store is None:
+        return compute()
     hit = store.get(key)
     if hit is None:
         try:

@@ -78,7 +78,14 @@ class GivenGemm:
     out_dtype: torch.dtype
     x_dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
+    #: Call the backend on chunks of this many rows of ``a`` (the selector's M bucket), stacking the
+    #: results; the reference and the bound are computed once for all rows. None: one call.
+    call_rows: int | None = None
     memo: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.call_rows is not None and self.call_rows < 1:
+            raise ValueError(f"GivenGemm: call_rows must be None or at least 1, got {self.call_rows}")
 
     @property
     def M(self) -> int:
@@ -100,7 +107,9 @@ class GivenGemm:
         return _copy(self.a), _copy(self.b), None if self.bias is None else self.bias.clone()
 
     def case(self) -> Case:
-        return Case(self.M, self.N, self.K, self.recipe, self.x_dtype, self.out_dtype, device=self.device,
+        """The case of one call (``call_rows`` rows when the backend is called in chunks)."""
+        m = self.M if self.call_rows is None else min(self.call_rows, self.M)
+        return Case(m, self.N, self.K, self.recipe, self.x_dtype, self.out_dtype, device=self.device,
                     has_bias=self.has_bias, op="scaled_mm")
 
     def __repr__(self) -> str:
@@ -118,10 +127,18 @@ class GivenLinear:
     recipe: Recipe
     out_dtype: torch.dtype
     device: str = "cpu"
+    #: The spec's ``quantize(w, recipe.weight)``, when the caller has it (problems on row chunks of
+    #: one x share one weight and its quantization); None: the checks quantize ``w`` themselves.
+    qw: Quantized | None = field(default=None, repr=False)
     memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         _dynamic(self.recipe.activation, "GivenLinear")
+        if self.qw is not None and (self.qw.scheme != self.recipe.weight
+                                    or tuple(self.qw.data.shape) != tuple(self.w.shape)):
+            raise ValueError(f"GivenLinear: qw must be the quantization of w under recipe.weight "
+                             f"({self.recipe.weight.short_str()}, {tuple(self.w.shape)}), got "
+                             f"{self.qw.scheme.short_str()} {tuple(self.qw.data.shape)}")
 
     @property
     def M(self) -> int:

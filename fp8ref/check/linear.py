@@ -27,7 +27,9 @@ from .common import (
     ContractViolation,
     Declined,
     _build,
+    _cached,
     _check_within,
+    _copy,
     _dev,
     _first_diff,
     _host,
@@ -38,6 +40,7 @@ from .common import (
     backend_threads,
     poison_allocator,
 )
+from .given import GivenLinear
 from .problems import LinearProblem
 
 
@@ -61,6 +64,25 @@ def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scal
         if scale is None:
             return _host(backend.linear(x, prepared, bias, out_dtype, scheme))
         return _host(backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale))
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+def _linear_inputs(p: LinearProblem | GivenLinear) -> tuple:
+    """``(x, w, bias, scale, qx, qw)``: the problem's tensors, the caller's activation scale (None
+    for a dynamic scheme) and the spec's quantizations of x and w (the weight's from the problem
+    when a given one carries it: the probe's chunks share one weight). Computed once per given
+    problem (its memo), afresh for a described one; the caller copies what a backend receives."""
+    def compute():
+        x, w, bias = _build(p)
+        scale = p.act_scale(x)
+        qx = _ref_quantize(x, p.recipe.activation, scale)
+        qw = p.qw if isinstance(p, GivenLinear) and p.qw is not None else _ref_quantize(w, p.recipe.weight)
+        return x, w, bias, scale, qx, qw
+
+    return _cached(("linear", p), compute, lru=False)
 
 
 @dataclass(frozen=True)
@@ -111,18 +133,21 @@ def check_linear_bound(backend: Backend, p: LinearProblem, *, call_linear: Linea
     (``linear_error_bound``): whatever scale the backend chose inside its linear, the bound never
     reads it."""
     _require(backend, p.case())
-    x, w, bias = _build(p)
-    scale = p.act_scale(x)
-    qx = _ref_quantize(x, p.recipe.activation, scale)
-    qw = _ref_quantize(w, p.recipe.weight)
-    y_true = x.to(torch.float64) @ w.to(torch.float64).T
-    if bias is not None:
-        y_true = y_true + bias.to(torch.float64)
-    if bool((y_true.abs() > torch.finfo(p.out_dtype).max / 4).any()):
-        raise Declined(f"premise: the exact result overflows {p.out_dtype}")
-    y = _linear(backend, LinearArgs(x, w, qw, bias, p.recipe, p.out_dtype, scale), call_linear)
-    bound = linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
-                               output_roundings=backend.output_roundings)
+    x, w, bias, scale, qx, qw = _linear_inputs(p)
+
+    def exact():
+        y = x.to(torch.float64) @ w.to(torch.float64).T
+        y = y if bias is None else y + bias.to(torch.float64)
+        if bool((y.abs() > torch.finfo(p.out_dtype).max / 4).any()):
+            raise Declined(f"premise: the exact result overflows {p.out_dtype}")
+        return y
+
+    y_true = _cached(("linear_exact", p), exact, lru=False)
+    y = _linear(backend, LinearArgs(x.clone(), w.clone(), _copy(qw), _clone(bias), p.recipe, p.out_dtype,
+                                    _clone(scale)), call_linear)
+    bound = _cached(("linear_bound", p, backend.accumulation, backend.output_roundings), lambda: linear_error_bound(
+        x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
+        output_roundings=backend.output_roundings), lru=False)
     return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound of the spec's "
                          "quantization)", y, y_true, bound)
 
@@ -131,12 +156,10 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
     returns, bit for bit, on the weight prepared by ``prepare_weight``."""
     _require(backend, p.case())
-    x, w, bias = _build(p)
-    scale = p.act_scale(x)
-    _ref_quantize(x, p.recipe.activation, scale)
-    qw = _ref_quantize(w, p.recipe.weight)
+    x, _, bias, scale, _, qw = _linear_inputs(p)
+    x, bias, scale = x.clone(), _clone(bias), _clone(scale)
     with backend_threads():
-        prepared = backend.prepare_weight(_dev(qw))
+        prepared = backend.prepare_weight(_dev(_copy(qw)))
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
     qx = _quantize(backend, x, p.recipe.activation, scale)
     with backend_threads():
@@ -159,10 +182,9 @@ def check_linear_refuses_non_finite(backend: Backend, p: LinearProblem) -> float
     if not backend.rejects_non_finite:
         raise Declined(f"premise: backend {backend.name!r} does not declare rejects_non_finite")
     _require(backend, p.case())
-    x, w, bias = _build(p)
-    qw = _ref_quantize(w, p.recipe.weight)
+    x, w, bias, _, _, qw = _linear_inputs(p)
     with backend_threads():
-        prepared = backend.prepare_weight(_dev(qw))
+        prepared = backend.prepare_weight(_dev(_copy(qw)))
     bad_x = x.clone()
     bad_x[0, 0] = float("nan")
     bad_bias = torch.zeros(w.shape[0], dtype=x.dtype) if bias is None else bias.clone()

@@ -71,11 +71,14 @@ class ProbeSet:
         # declared accumulation) for every candidate probed with this set.
         self.problems: list[dict[str, GivenQuantize | GivenGemm | GivenLinear]] = [{
             "quantize": GivenQuantize(x=self.x[a:b], scheme=act, device=dev),
-            "scaled_mm": GivenGemm(a=quantize(self.x[a:b], act), b=self.qw, bias=self.bias, recipe=recipe,
-                                   out_dtype=case.out_dtype, x_dtype=case.x_dtype, device=dev),
             "linear": GivenLinear(x=self.x[a:b], w=self.w, bias=self.bias, recipe=recipe, out_dtype=case.out_dtype,
-                                  device=dev),
+                                  device=dev, qw=self.qw),
         } for a, b in self.chunks]
+        # The GEMM's operands are given quantized, so one problem holds all the rows (the spec's
+        # quantization of the 16 rows together) and the backend is called on the same chunks.
+        self.whole: dict[str, GivenGemm] = {"scaled_mm": GivenGemm(
+            a=quantize(self.x, act), b=self.qw, bias=self.bias, recipe=recipe, out_dtype=case.out_dtype,
+            x_dtype=case.x_dtype, device=dev, call_rows=self.mp)}
 
 
 def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None = None) -> ProbeResult:
@@ -131,7 +134,9 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
         with backend_device(case.device):
             for c in checks:
                 failed = False
-                for rows, problems in zip(ps.chunks, ps.problems, strict=True):
+                runs = (list(zip(ps.chunks, ps.problems, strict=True)) if c.rows == "each"
+                        else [((0, PROBE_ROWS), ps.whole)] if c.rows == "all" else [(ps.chunks[0], ps.problems[0])])
+                for rows, problems in runs:
                     ratio, failure = _run(c, backend, problems[c.op])
                     ratio = math.inf if failure and ratio <= 1.0 else ratio
                     ratios[c.name] = max(ratios.get(c.name, 0.0), ratio)
