@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .spec.bounds import Accumulation, PrecisionClass, precision_class
+from .spec.bounds import Accumulation, PrecisionClass, check_output_roundings, precision_class
 from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
 
@@ -139,8 +139,11 @@ class Backend:
     accumulation : Accumulation
         Declared accumulation along K (``Accumulation.FP32`` unless stated).
     output_roundings : int
-        1 if the result is rounded to the output dtype once, 2 if twice (e.g. a bf16 GEMM whose
-        output is scaled afterwards).
+        How many times the result is rounded to the output dtype, an int >= 1: 1 for an fp32 (or
+        wider) epilogue, 2 when once before (a bf16 GEMM whose output is scaled afterwards, a bias
+        added to the rounded product), 3 when the product, the scaled value and the bias sum are each
+        rounded (docs/spec.md §5.2, "More than one output rounding", says where the intermediate
+        roundings may sit). ``register_backend`` rejects anything else.
     ops : tuple of str
         The ops the backend implements and asks to be certified for (``OPS``); a quantizer-only
         backend declares ``("quantize",)``, a GEMM that takes the reference's codes
@@ -357,7 +360,10 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
         raise ValueError("a backend needs a non-empty str name")
     if not isinstance(backend.accumulation, Accumulation):
         raise TypeError(f"backend {backend.name!r}: accumulation must be an fp8ref.Accumulation")
-    precision_class(backend.accumulation, backend.output_roundings)  # validates output_roundings
+    try:
+        check_output_roundings(backend.output_roundings)
+    except ValueError as exc:
+        raise ValueError(f"backend {backend.name!r}: {exc}") from None
     ops = backend.ops
     if not isinstance(ops, (tuple, list, frozenset, set)) or not ops or not set(ops) <= set(OPS):
         raise ValueError(f"backend {backend.name!r}: ops must be a non-empty collection of {OPS}, got {ops!r}")

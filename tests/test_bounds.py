@@ -148,8 +148,9 @@ def test_gamma_and_classes():
     assert precision_class(Accumulation.FAST, 1) is PrecisionClass.FAST
     assert precision_class(Accumulation.BF16, 1) is PrecisionClass.FAST
     assert PrecisionClass.STANDARD.admits("strict") and not PrecisionClass.STRICT.admits("standard")
-    with pytest.raises(ValueError):
-        precision_class(Accumulation.FP32, 3)
+    assert precision_class(Accumulation.FP32, 3) is PrecisionClass.FAST  # tests/test_output_roundings.py
+    with pytest.raises(ValueError, match="output_roundings"):
+        precision_class(Accumulation.FP32, 0)
 
 
 def test_promoted_accumulation_factor():

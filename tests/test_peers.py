@@ -31,7 +31,7 @@ def test_peers_listed_without_importing_their_packages():
     assert len(names) == len(set(names)) >= 15
     code = ("import sys, fp8ref.peers as p; p.peers(); "
             "print(sorted(m for m in ('sglang', 'vllm', 'onnxruntime', 'torchao', 'jax', 'compressed_tensors', "
-            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark') if m in sys.modules))")
+            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark', 'openvino') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     for p in peers():
@@ -189,6 +189,21 @@ def test_sglang_online_w8a8_pre_fix_zero_weights_would_be_caught():
     bad = certify_peer(PreFix4434(), "ci", seed=0, contracts=["quantize.codes"], measure=False)
     codes = bad.report.result("quantize.codes")
     assert codes.status == "fail" and "fp16" in codes.counterexample, codes.message
+
+
+@pytest.mark.skipif(not _installed("openvino", "onnx"),
+                    reason="needs openvino (docs/certified.md, 'Installing the peers')")
+@pytest.mark.parametrize("name", ["openvino-onnx-qdq", "openvino-convert"])
+def test_openvino_rows_dequantize_in_fp32_on_every_machine(name):
+    """The adapters pin ``INFERENCE_PRECISION_HINT=f32``; the CPU plugin's default on AVX512-BF16 and
+    AMX machines is bf16, which would round the dequantized operand 1.125 * (1 + 2**-10) (11
+    significant bits) to 1.125 before the product. With one term (K = 1) the fp32 result is the
+    product of the two fp32 dequantized operands, exactly."""
+    peer = get_peer(name)
+    a = Quantized(torch.tensor([[1.125]]).to(torch.float8_e4m3fn), torch.tensor([[1 + 2**-10]]), QuantScheme())
+    b = Quantized(torch.tensor([[1.0]]).to(torch.float8_e4m3fn), torch.tensor([[1.0]]), QuantScheme())
+    want = (a.data.float() * a.scale) * (b.data.float() * b.scale)
+    assert torch.equal(peer.scaled_mm(a, b, out_dtype=torch.float32), want)
 
 
 def test_merge_puts_new_rows_in_and_keeps_the_others():

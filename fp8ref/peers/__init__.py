@@ -38,6 +38,7 @@ PEER_MODULES = (
     "fp8ref.peers.flax_fp8",
     "fp8ref.peers.tinygrad_fp8",
     "fp8ref.peers.quark",
+    "fp8ref.peers.openvino",
 )
 
 _PEERS: list[Peer] | None = None

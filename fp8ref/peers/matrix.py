@@ -20,7 +20,7 @@ Everything below runs on a CPU with torch held at `constraints.txt` (a CPU build
 ```
 pip install -c constraints.txt -e ".[peers]"     # onnxruntime, onnx, torchao, compressed-tensors,
                                                  # jax[cpu], optimum-quanto, nvidia-modelopt, triton,
-                                                 # flax, tinygrad
+                                                 # flax, tinygrad, openvino
 pip install -c constraints.txt --no-deps "sglang==0.5.23" "vllm==0.33.0" "amd-quark==0.13" "onnxslim==0.1.98"
 pip install -c constraints.txt orjson pyzmq pybase64 starlette msgspec IPython aiohttp \\
     pydantic pillow regex requests packaging tqdm transformers
@@ -36,7 +36,10 @@ dependencies), then `pip install --no-deps sglang==0.5.23 vllm==0.33.0`, then `p
 torchvision torchaudio torchcodec flashinfer-python` (built for another torch, or CUDA-only: their
 imports fail or crash on a CPU). SGLang's configs import torchvision at module level; where it does
 not import, the adapter puts in a stand-in that refuses every call (`fp8ref/peers/sglang.py`).
-tinygrad runs on its `PYTHON` device (its `CPU` device needs clang). jax 0.10.2 is the newest
+tinygrad runs on its `PYTHON` device (its `CPU` device needs clang). OpenVINO (a 59 MB wheel that
+depends on numpy, packaging and openvino-telemetry only, not on torch) runs on its CPU plugin with
+`INFERENCE_PRECISION_HINT=f32` pinned by the adapters (the default is bf16 on CPUs with AVX512-BF16
+or AMX). jax 0.10.2 is the newest
 release for Python 3.11. Peers whose package is missing are listed as *not run here* with the exact
 missing piece.
 

@@ -33,7 +33,7 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from ._base import Peer, spec_or_given_scale
 
-__all__ = ["PEERS"]
+__all__ = ["PEERS", "qdq_attrs", "scale_arg", "onnx_model", "quantize_graph", "gemm_graph"]
 
 _OPSET = 21
 
@@ -45,7 +45,8 @@ def _onnx_type(fmt):
             E4M3FNUZ: TensorProto.FLOAT8E4M3FNUZ}[fmt]
 
 
-def _qdq_attrs(scheme: QuantScheme) -> dict:
+def qdq_attrs(scheme: QuantScheme) -> dict:
+    """The QuantizeLinear / DequantizeLinear attributes of ``scheme``'s granularity."""
     g = scheme.granularity
     if g is Granularity.TENSOR:
         return {}
@@ -54,7 +55,8 @@ def _qdq_attrs(scheme: QuantScheme) -> dict:
     return {"axis": 1, "block_size": scheme.group_size}
 
 
-def _scale_arg(scale: torch.Tensor, scheme: QuantScheme) -> np.ndarray:
+def scale_arg(scale: torch.Tensor, scheme: QuantScheme) -> np.ndarray:
+    """``scale`` as the fp32 array the operators take for ``scheme``'s granularity."""
     s = scale.to(torch.float32).numpy()
     if scheme.granularity is Granularity.TENSOR:
         return s.reshape(())
@@ -70,12 +72,19 @@ def _zero_point(name: str, fmt, scale_shape: tuple[int, ...]):
     return helper.make_tensor(name, _onnx_type(fmt), list(scale_shape), [0] * n)
 
 
-def _session(graph):
-    import onnxruntime as ort
+def onnx_model(graph):
+    """``graph`` as an opset-21 ONNX model (IR version 10)."""
     from onnx import helper
 
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)])
     model.ir_version = 10
+    return model
+
+
+def _session(graph):
+    import onnxruntime as ort
+
+    model = onnx_model(graph)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1  # deterministic, and the machine has two cores
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
@@ -94,36 +103,50 @@ class _Reference:
 
 
 def _reference_session(graph):
-    from onnx import helper
+    return _Reference(onnx_model(graph))
 
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)])
-    model.ir_version = 10
-    return _Reference(model)
+
+def quantize_graph(fmt, attrs: tuple, scale_shape: tuple[int, ...], *, dequantize: bool = True,
+                   x_shape: tuple[int, int] | None = None):
+    """The ONNX graph ``y = QuantizeLinear(x, s, zero_point, saturate=1)`` (inputs ``x``, ``s``
+    fp32); ``dequantize``: the output is ``v = DequantizeLinear(y, 1)`` (fp32, exact), else ``y``
+    itself (FP8). ``x_shape``: the inputs' shapes are declared (``x_shape`` and ``scale_shape``),
+    else left unknown."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, None if x_shape is None else list(x_shape))
+    s = helper.make_tensor_value_info("s", TensorProto.FLOAT, None if x_shape is None else list(scale_shape))
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["y"], saturate=1, **dict(attrs))]
+    init = [_zero_point("zp", fmt, scale_shape)]
+    if dequantize:
+        nodes.append(helper.make_node("DequantizeLinear", ["y", "one", "zp0"], ["v"]))
+        init += [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]), _zero_point("zp0", fmt, ())]
+        out = helper.make_tensor_value_info("v", TensorProto.FLOAT, None)
+    else:
+        out = helper.make_tensor_value_info("y", _onnx_type(fmt), None)
+    return helper.make_graph(nodes, "fp8ref_quantize", [x, s], [out], initializer=init)
 
 
 @functools.lru_cache(maxsize=64)
 def _quantize_session(fmt, attrs: tuple, scale_shape: tuple[int, ...], reference: bool = False):
-    from onnx import TensorProto, helper
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, None)
-    s = helper.make_tensor_value_info("s", TensorProto.FLOAT, None)
-    v = helper.make_tensor_value_info("v", TensorProto.FLOAT, None)
-    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["y"], saturate=1, **dict(attrs)),
-             helper.make_node("DequantizeLinear", ["y", "one", "zp0"], ["v"])]
-    graph = helper.make_graph(nodes, "fp8ref_quantize", [x, s], [v],
-                              initializer=[_zero_point("zp", fmt, scale_shape), one, _zero_point("zp0", fmt, ())])
+    graph = quantize_graph(fmt, attrs, scale_shape)
     return _reference_session(graph) if reference else _session(graph)
 
 
-@functools.lru_cache(maxsize=64)
-def _gemm_session(fa, a_attrs: tuple, a_shape: tuple, fb, b_attrs: tuple, b_shape: tuple, bias: bool,
-                  reference: bool = False):
+def gemm_graph(fa, a_attrs: tuple, a_shape: tuple, fb, b_attrs: tuple, b_shape: tuple, bias: bool,
+               mnk: tuple[int, int, int] | None = None):
+    """The ONNX graph ``out = DequantizeLinear(a) @ DequantizeLinear(b)^T (+ bias)``, fp32, with
+    the codes entering as fp32 values (inputs ``a``, ``sa``, ``b``, ``sb``, ``bias``); ``mnk``: the
+    inputs' shapes are declared (``a_shape`` and ``b_shape`` are the scales'), else left unknown."""
     from onnx import TensorProto, helper
 
+    M, N, K = mnk if mnk is not None else (None, None, None)
+    shapes = {"a": [M, K], "sa": list(a_shape), "b": [N, K], "sb": list(b_shape), "bias": [N]}
+    if mnk is None:
+        shapes = dict.fromkeys(shapes)
     # The codes enter as their fp32 values and are cast to FP8 exactly (ORT's Python API takes no
     # FP8 numpy input): every FP8 value is an fp32, so the Cast rounds nothing.
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "sa", "b", "sb")]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n in ("a", "sa", "b", "sb")]
     nodes = [helper.make_node("Cast", ["a"], ["a8"], to=_onnx_type(fa)),
              helper.make_node("Cast", ["b"], ["b8"], to=_onnx_type(fb)),
              helper.make_node("DequantizeLinear", ["a8", "sa", "za"], ["A"], **dict(a_attrs)),
@@ -131,11 +154,17 @@ def _gemm_session(fa, a_attrs: tuple, a_shape: tuple, fb, b_attrs: tuple, b_shap
              helper.make_node("Transpose", ["B"], ["Bt"], perm=[1, 0]),
              helper.make_node("MatMul", ["A", "Bt"], ["y" if bias else "out"])]
     if bias:
-        inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, None))
+        inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, shapes["bias"]))
         nodes.append(helper.make_node("Add", ["y", "bias"], ["out"]))
     out = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
-    graph = helper.make_graph(nodes, "fp8ref_gemm", inputs, [out],
-                              initializer=[_zero_point("za", fa, a_shape), _zero_point("zb", fb, b_shape)])
+    return helper.make_graph(nodes, "fp8ref_gemm", inputs, [out],
+                             initializer=[_zero_point("za", fa, a_shape), _zero_point("zb", fb, b_shape)])
+
+
+@functools.lru_cache(maxsize=64)
+def _gemm_session(fa, a_attrs: tuple, a_shape: tuple, fb, b_attrs: tuple, b_shape: tuple, bias: bool,
+                  reference: bool = False):
+    graph = gemm_graph(fa, a_attrs, a_shape, fb, b_attrs, b_shape, bias)
     return _reference_session(graph) if reference else _session(graph)
 
 
@@ -167,17 +196,17 @@ class OnnxRuntimeQDQ(Peer):
 
     def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
         s = spec_or_given_scale(x, scheme, scale, scheme.scale_dtype)
-        arg = _scale_arg(s, scheme)
-        sess = _quantize_session(scheme.format, tuple(sorted(_qdq_attrs(scheme).items())), arg.shape, self.reference)
+        arg = scale_arg(s, scheme)
+        sess = _quantize_session(scheme.format, tuple(sorted(qdq_attrs(scheme).items())), arg.shape, self.reference)
         v = sess.run(None, {"x": x.to(torch.float32).numpy(), "s": arg})[0]
         data = torch.from_numpy(v).to(scheme.format.torch_dtype)
         return Quantized(data, s, scheme)
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
         M, N = a.data.shape[0], b.data.shape[0]
-        sa, sb = _scale_arg(a.scale, a.scheme), _scale_arg(b.scale, b.scheme)
-        sess = _gemm_session(a.scheme.format, tuple(sorted(_qdq_attrs(a.scheme).items())), sa.shape,
-                             b.scheme.format, tuple(sorted(_qdq_attrs(b.scheme).items())), sb.shape, bias is not None,
+        sa, sb = scale_arg(a.scale, a.scheme), scale_arg(b.scale, b.scheme)
+        sess = _gemm_session(a.scheme.format, tuple(sorted(qdq_attrs(a.scheme).items())), sa.shape,
+                             b.scheme.format, tuple(sorted(qdq_attrs(b.scheme).items())), sb.shape, bias is not None,
                              self.reference)
         feeds = {"a": a.data.to(torch.float32).numpy(), "sa": sa, "b": b.data.to(torch.float32).numpy(), "sb": sb}
         if bias is not None:

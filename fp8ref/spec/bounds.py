@@ -36,6 +36,7 @@ __all__ = [
     "Accumulation",
     "PrecisionClass",
     "precision_class",
+    "check_output_roundings",
     "unit_roundoff",
     "quantization_error_bound",
     "scale_error_bound",
@@ -150,7 +151,8 @@ class PrecisionClass(str, enum.Enum):
     strict    fp32 (or better) accumulation and epilogue, one rounding to the output;
     standard  fp32 accumulation, at most two roundings to the output dtype (e.g. a bf16 GEMM
               result scaled afterwards, or bias added after rounding);
-    fast      anything with a lower-precision accumulator (fast accumulation, bf16/fp16).
+    fast      anything with a lower-precision accumulator (fast accumulation, bf16/fp16), or more
+              than two roundings to the output dtype (e.g. product, scale and bias rounded apart).
     """
 
     EXACT = "exact"
@@ -167,14 +169,36 @@ class PrecisionClass(str, enum.Enum):
         return PrecisionClass(other).rank <= self.rank
 
 
+def check_output_roundings(output_roundings: object) -> int:
+    """``output_roundings`` if it is a declaration the bounds cover: an int >= 1 (not a bool).
+
+    Raises
+    ------
+    ValueError
+        Naming ``output_roundings`` and the value given.
+    """
+    if isinstance(output_roundings, bool) or not isinstance(output_roundings, int) or output_roundings < 1:
+        raise ValueError("output_roundings (how many times a result is rounded to the output dtype) must be an "
+                         f"int >= 1, got {output_roundings!r}")
+    return output_roundings
+
+
 def precision_class(accumulation: Accumulation, output_roundings: int) -> PrecisionClass:
-    """The smallest class that contains a backend with this declaration."""
-    if output_roundings not in (1, 2):
-        raise ValueError(f"output_roundings must be 1 or 2, got {output_roundings}")
+    """The smallest class that contains a backend with this declaration.
+
+    Notes
+    -----
+    exact: exact accumulation and one rounding; strict: fp32 or better and one rounding; standard:
+    fp32 or better and at most two roundings; fast: everything else -- a coarser accumulator, or three
+    or more output roundings (each one past the second adds about u_o |acc sa sb| to the bound, beyond
+    what a caller asking for ``standard`` accepted; docs/spec.md §5.3).
+    """
+    check_output_roundings(output_roundings)
     u = accumulation.unit_roundoff
     if u == 0 and output_roundings == 1:
         return PrecisionClass.EXACT
-    if u <= U_FP32 and accumulation.promote_every is None and accumulation.operand_dtype is None:
+    if (u <= U_FP32 and accumulation.promote_every is None and accumulation.operand_dtype is None
+            and output_roundings <= 2):
         return PrecisionClass.STRICT if output_roundings == 1 else PrecisionClass.STANDARD
     return PrecisionClass.FAST
 
@@ -424,9 +448,16 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     its kernel (fp16). Exact accumulation (float64) cannot underflow: the smallest non-zero
     product of two fp32 scales and two FP8 codes is above 2**-330, far above 2**-1022.
 
-    A second rounding to the output dtype (``output_roundings=2``: the accumulator or the
-    pre-bias value rounded to ``out_dtype`` first) adds u_o (1 + g) P + (eta_o/2)(1 + sum_g |sa sb|)
-    (u_o (P + D) for dequantize-then-GEMM).
+    More roundings to the output dtype (``output_roundings = k >= 2``): k - 1 intermediate roundings
+    to ``out_dtype`` before the final one, each of a K-segment's accumulator before its scales or of
+    the scaled value before the bias (the bias meets the final rounding only). Each multiplies every
+    term it rounds by (1 + delta), |delta| <= u_o, and errs by at most eta_o/2 absolutely (times the
+    segment's |sa sb| when the scales follow), an error the later ones scale by (1 + u_o) each. With
+    s = sum_{i < k-1} (1 + u_o)^i (s = 1 for k = 2; (1 + u_o)^(k-1) - 1 = u_o s) they add
+    u_o s (1 + g) P + (eta_o/2)(1 + sum_g |sa sb|) s (u_o s (P + E) for dequantize-then-GEMM; the
+    underflow term, where present, joins the rounded magnitude; the absolute term times
+    ``_growth``'s 1 + theta past its nseg limits) -- for k = 2 the two-rounding bound term for term
+    (docs/spec.md §5.2, "More than one output rounding").
     The final rounding adds u_o (|y*| + E') + eta_o/2, and |y*| <= |y_ref| + E_ref. Finally the
     reference's own deviation E_ref (``reference_gemm_error_bound``) is added, because the
     comparison is against y_ref, not y*.
@@ -435,8 +466,7 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
         with ieee_subnormals():
             return gemm_error_bound(a, b, bias, out_dtype=out_dtype, accumulation=accumulation,
                                     output_roundings=output_roundings, y_ref=y_ref)
-    if output_roundings not in (1, 2):
-        raise ValueError(f"output_roundings must be 1 or 2, got {output_roundings}")
+    check_output_roundings(output_roundings)
     u_o, eta_o = unit_roundoff(out_dtype), _eta(out_dtype)
     M, K = a.data.shape
     segs = k_segments(a, b)
@@ -450,7 +480,7 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
         raise ValueError(f"y_ref must be the reference's float64 [M, N] result, got {y_ref.dtype} "
                          f"{tuple(y_ref.shape)}")
 
-    def scale_mass() -> torch.Tensor:  # only for two output roundings
+    def scale_mass() -> torch.Tensor:  # only for two or more output roundings
         return sum((torch.outer(scale_column(a, k0), scale_column(b, k0)).abs() for k0, _ in segs),
                    torch.zeros((), dtype=torch.float64, device=mass.device))
 
@@ -475,10 +505,10 @@ class _Pipeline:
 
 def _pipeline_error(p: _Pipeline, accumulation: Accumulation, out_dtype: torch.dtype, output_roundings: int, *,
                     row_masses, scale_mass, underflow_mass) -> torch.Tensor:
-    """E (plus the second output rounding when declared) of ``gemm_error_bound``'s Notes: a bound on
+    """E (plus the intermediate output roundings declared) of ``gemm_error_bound``'s Notes: a bound on
     |z - y*| for the value z a backend holds before its final rounding. ``row_masses()`` gives
-    (R_a[:, None], R_b[None, :]) (dequantize-then-GEMM only), ``scale_mass()`` sum_g |sa sb| (two
-    roundings only), ``underflow_mass()`` W or None when no fp32 product can underflow."""
+    (R_a[:, None], R_b[None, :]) (dequantize-then-GEMM only), ``scale_mass()`` sum_g |sa sb| (two or
+    more roundings only), ``underflow_mass()`` W or None when no fp32 product can underflow."""
     u_o, eta_o = unit_roundoff(out_dtype), _eta(out_dtype)
     mass, abias, K, nseg, L = p.mass, p.abias, p.K, p.nseg, p.L
     u_acc = accumulation.unit_roundoff
@@ -500,10 +530,32 @@ def _pipeline_error(p: _Pipeline, accumulation: Accumulation, out_dtype: torch.d
     if u_acc != 0:
         w = underflow_mass()
         if w is not None:
-            pre = pre + (_eta(torch.float32) / 2) * (3 * w + 2 * nseg) * (1 + g) * (1 + gamma(nseg + 3, U_FP32))
-    if output_roundings == 2:
-        pre = pre + u_o * inter + (eta_o / 2) * (1 + scale_mass())
+            uf = (_eta(torch.float32) / 2) * (3 * w + 2 * nseg) * (1 + g) * (1 + gamma(nseg + 3, U_FP32))
+            pre = pre + uf
+            inter = inter + uf  # an intermediate rounding sees the underflow errors too
+    if output_roundings > 1:
+        # k - 1 intermediate roundings: relative (1 + u_o)^(k-1) - 1 = u_o s on what they round, and
+        # eta_o/2 each, carried through the later ones: s = sum_{i < k-1} (1 + u_o)^i (1 when k = 2).
+        s = 0.0
+        for _ in range(output_roundings - 1):
+            s = s * (1 + u_o) + 1
+        pre = pre + u_o * s * inter + (eta_o / 2) * (1 + scale_mass()) * s * _growth(u_acc, u_o, nseg)
     return pre
+
+
+def _growth(u_acc: float, u_o: float, nseg: int) -> float:
+    """What an intermediate rounding's absolute error may grow by in the pipeline's later arithmetic,
+    beyond what the bound already gives it (docs/spec.md §5.2, "more output roundings").
+
+    The error is non-zero only in the output dtype's subnormal range, where that rounding has no
+    relative error and errs by at most |v| (0 is a neighbour): its unused relative allowance u_o |v|
+    covers the growth theta |error| when theta <= u_o. theta is gamma_{nseg+3}(u32) after an fp32
+    epilogue (gamma_{nseg+2}(u64) after the exact pipeline's float64 one); an output dtype at least
+    as precise as the pipeline rounds nothing. Otherwise (fp16 with nseg > 8185, bf16 with
+    nseg > 65277) the growth is bounded directly: 1 + theta.
+    """
+    u_pipe, theta = (U_FP64, gamma(nseg + 2, U_FP64)) if u_acc == 0 else (U_FP32, gamma(nseg + 3, U_FP32))
+    return 1 + theta if u_o > u_pipe and theta > u_o else 1.0
 
 
 #: fp32's smallest normal: a product of fp32 numbers at least this large is never subnormal.
@@ -586,8 +638,7 @@ def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quan
         with ieee_subnormals():
             return linear_error_bound(x, w, qx, qw, bias, out_dtype=out_dtype, accumulation=accumulation,
                                       output_roundings=output_roundings)
-    if output_roundings not in (1, 2):
-        raise ValueError(f"output_roundings must be 1 or 2, got {output_roundings}")
+    check_output_roundings(output_roundings)
     K = x.shape[1]
     ax, aw = x.to(torch.float64).abs(), w.to(torch.float64).abs()
     qxb, qwb = conforming_quantization_error_bound(x, qx), conforming_quantization_error_bound(w, qw)

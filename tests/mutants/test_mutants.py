@@ -43,6 +43,7 @@ def test_catalogue_size():
     for acc in (Accumulation.EXACT, Accumulation.FP32, Accumulation.BF16, Accumulation.FP16):
         assert (acc.unit_roundoff, None, 1) in declared, acc.name
     assert (Accumulation.FP32.unit_roundoff, None, 2) in declared  # standard: two output roundings
+    assert (Accumulation.FP32.unit_roundoff, None, 3) in declared  # product, scale and bias rounded apart
     assert any(u == 2.0**-13 for u, _, _ in declared)  # fast
 
 

@@ -116,6 +116,25 @@ class TwoRoundings(Fp32Base):
         return (y.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
 
 
+class ThreeRoundings(TwoRoundings):
+    name = "correct-three-roundings"
+    output_roundings = 3
+    bug = ("rounds each K-segment's fp32 accumulator to the output dtype, applies the scales in fp32 and rounds "
+           "again, then adds the bias and rounds a third time (product, scale and bias rounded apart), and declares "
+           "three output roundings; declines fp16 outputs")
+
+    def supports(self, case):
+        if case.out_dtype == torch.float16 and case.op != "quantize":
+            return "the raw accumulator of FP8 codes (up to K * qmax**2) overflows fp16"
+        return None
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        y = fp32_mm(a, b, None, out_dtype, seg_sum=lambda A, B: (A @ B.T).to(out_dtype).to(torch.float32))
+        if bias is None:
+            return y
+        return (y.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+
+
 class FastPromote32(Fp32Base):
     name = "correct-fast-promote32"
     changes = GEMM_OPS
@@ -162,6 +181,6 @@ class DeclaredFp16(Fp32Base):
 
 
 CORRECT = (Fp32Base, ReverseOrder, SequentialFp32, ReciprocalQuantize, DequantizeFirst, KSplit, ExactFloat64,
-           TwoRoundings, FastPromote32, HonestBf16, DeclaredFp16)
+           TwoRoundings, ThreeRoundings, FastPromote32, HonestBf16, DeclaredFp16)
 
 __all__ = [c.__name__ for c in CORRECT] + ["CORRECT"]
