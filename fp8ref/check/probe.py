@@ -17,6 +17,7 @@ calling contract, the accumulator probe, the Hypothesis search) are the certific
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from .linear import check_linear_bound, check_linear_matches_two_calls, check_li
 from .quantize import check_quantize_codes, check_quantize_scale
 from .scaled_mm import check_scaled_mm_bound
 
-__all__ = ["ProbeCheck", "PROBE_CHECKS", "fused_linear"]
+__all__ = ["ProbeCheck", "PROBE_CHECKS", "PROBE_REVISION", "fused_linear"]
 
 
 def _always(backend: Backend) -> bool:
@@ -112,3 +113,8 @@ PROBE_CHECKS: tuple[ProbeCheck, ...] = (
     ProbeCheck("linear.non_finite", "linear", check_linear_refuses_non_finite, _declares_rejects_non_finite,
                rows="first"),
 )
+
+#: Names the probe's list (which contracts, on which rows): part of the selector's cache key, so a
+#: decision a different list admitted is probed again rather than reused.
+PROBE_REVISION: str = hashlib.sha1(
+    "|".join(f"{c.name}:{c.op}:{c.rows}:{c.check.__name__}" for c in PROBE_CHECKS).encode()).hexdigest()[:8]
