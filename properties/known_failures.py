@@ -100,6 +100,20 @@ KNOWN_FAILURES: list[dict] = [
         "test": "tests/test_peers_triton_interpreter.py::test_unpatched_fp8_upcast_still_loses_nan",
     },
     {
+        "id": "triton-interp-scalar-mask",
+        "backend": "triton",
+        "applies": "TRITON_INTERPRET=1 (triton 3.9)",
+        "what": "a mask combining a block condition with a scalar comparison ((o < n) & (row < rows)) is an int32 "
+                "array: tl.load and tl.store raise ValueError('mask has unsupported dtype')",
+        "link": None,
+        "reason": "no upstream report found (searched triton-lang/triton issues for the message and for interpreter "
+                  "masks with a scalar condition); the interpreter's binary_op labels a comparison with its operands' "
+                  "dtype instead of int1 and splat converts the data to that dtype; "
+                  "fp8ref.peers.triton_interpreter.correct_downcasts() labels comparisons int1 (LMDeploy's quant_fp8 "
+                  "needs it)",
+        "test": "tests/test_peers_triton_interpreter.py::test_unpatched_scalar_condition_in_a_block_mask_still_raises",
+    },
+    {
         "id": "triton-interp-bf16-dot",
         "backend": "triton",
         "applies": "TRITON_INTERPRET=1 (triton 3.9)",
@@ -282,6 +296,34 @@ KNOWN_FAILURES += [
              "it to the fp32 accumulator)",
         link=None, reason="no upstream report found; certified as declared (output_roundings=2, standard class)",
         test=_F + "test_sglang_scaled_mm_bias.py::test_bias_is_added_before_the_output_rounding"),
+    *_peer_entries(
+        "lmdeploy-blocked-gemm-scale-reciprocal", "lmdeploy-blocked-gemm",
+        ("scaled_mm.bound", "scaled_mm.all_written", "scaled_mm.finite", "scaled_mm.sign_symmetry"),
+        applies="lmdeploy 0.18.0 blocked_gemm_fp8 (TritonLinearBlockedF8Impl), a K-tile scale product a_s * b_s "
+                "of 0 or at most 2**-128",
+        what="the accumulator is rescaled by 1 / s_0 and s_(k-1) / s_k (s_k = a_s * b_s of K tile k): a zero "
+             "weight-block scale or a product whose reciprocal overflows fp32 gives 0 * inf = NaN outputs",
+        link=None, reason="no upstream report found (searched InternLM/lmdeploy issues and pull requests for "
+                          "blocked_gemm_fp8, blocked fp8 NaN, weight_scale_inv zero); the kernel carries its "
+                          "accumulator in units of the current tile's scale product instead of adding "
+                          "dot * a_s * b_s",
+        test=_F + "test_lmdeploy_blocked_gemm.py::test_zero_weight_block_scale_contributes_zero"),
+    *_peer_entries(
+        "lmdeploy-smooth-quant-zero-channel-nan", "lmdeploy-smooth-quant-fp8-weights",
+        ("quantize.codes", "quantize.scale", "quantize.sign_symmetry"),
+        applies="lmdeploy 0.18.0 per_channel_quant (QLinear.from_float: lite smooth_quant --quant-dtype fp8)",
+        what="an all-zero output channel gets scale 0 and NaN codes (0/0)",
+        link=None, reason="no issue or pull request found (searched InternLM/lmdeploy: per_channel_quant, smooth_quant "
+                          "fp8 NaN, zero scale; related: lmdeploy#3318 'Using Smooth Quant to perform FP8 quantization "
+                          "corrupts the model', open); a later revision of w8a8_kernels.py in the public code index "
+                          "clamps the scale at finfo(float32).tiny ('A zero channel otherwise produces 0 / 0')",
+        test=_F + "test_lmdeploy_w8a8.py::test_all_zero_output_channel_quantizes_to_zero_codes"),
+    *_peer_entries(
+        "lmdeploy-w8a8-bias-rounding", "lmdeploy-w8a8-scaled-mm", (),
+        applies="lmdeploy 0.18.0 matmul_kernel_dynamic_quant with a bias (TritonLinearW8A8Impl)",
+        what="the bias is added after rounding acc * scales to the output dtype (c += bias): two roundings",
+        link=None, reason="no upstream report found; certified as declared (output_roundings=2, standard class)",
+        test=_F + "test_lmdeploy_w8a8.py::test_bias_is_added_before_the_output_rounding"),
 ]
 
 def known_failure(id: str) -> dict:

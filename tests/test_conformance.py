@@ -233,6 +233,8 @@ def test_sweep_reaches_every_class_by_construction():
     assert set(SWAMP_BITS) <= {p.a.bits + p.b.bits for p in g if p.a.family == "swamp"}
     assert any(p.bias_mode == "cancel" and p.out_dtype != torch.float32 for p in g if p.has_bias)
     assert any(p.a.distinct_scales and p.recipe.weight.granularity.value == "block" for p in g)
+    # subnormal-range outputs on whole 128-wide K blocks too (block kernels that take no partial block)
+    assert any(p.K >= 256 and p.K % 128 == 0 and p.a.scale_exp <= -64 for p in g)
 
 
 def test_sweep_follows_the_backend_and_the_seed():

@@ -31,7 +31,7 @@ def test_peers_listed_without_importing_their_packages():
     assert len(names) == len(set(names)) >= 15
     code = ("import sys, fp8ref.peers as p; p.peers(); "
             "print(sorted(m for m in ('sglang', 'vllm', 'onnxruntime', 'torchao', 'jax', 'compressed_tensors', "
-            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark', 'openvino') if m in sys.modules))")
+            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark', 'openvino', 'lmdeploy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     for p in peers():

@@ -111,3 +111,25 @@ def test_unpatched_bf16_cast_still_wrong():
 @LEDGER.xfail("triton-interp-bf16-arith")
 def test_unpatched_bf16_arithmetic_still_wrong():
     assert _bf16_add_ok()
+
+
+def _scalar_mask_ok() -> bool:
+    x = torch.arange(1.0, 7.0)
+    try:
+        return torch.equal(REPRO.copy_row(x), x)
+    except Exception as exc:  # triton's InterpreterError wraps the ValueError
+        if "mask has unsupported dtype" in str(exc):
+            return False
+        raise
+
+
+@needs_interpreter
+def test_patched_scalar_condition_in_a_block_mask():
+    with correct_downcasts():
+        assert _scalar_mask_ok()
+
+
+@needs_interpreter
+@LEDGER.xfail("triton-interp-scalar-mask")
+def test_unpatched_scalar_condition_in_a_block_mask_still_raises():
+    assert _scalar_mask_ok()

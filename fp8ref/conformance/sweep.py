@@ -20,7 +20,7 @@ generated for the profile and the backend, organised in sections, one per class 
   below the smallest subnormal to near the largest power of two), under dynamic schemes without an
   amax floor whose scale computation underflows or lands in the subnormal range (fp32, bf16 and fp16
   scale and compute dtypes, subnormal scales); GEMM outputs in the subnormal range of each output
-  dtype (scales near 2**-70, fp16 outputs near 2**-20);
+  dtype (scales near 2**-70, fp16 outputs near 2**-20), also on two whole 128-wide K blocks;
 * **repeated calls**: linear items in pairs of one shape and recipe, the second 2**8 times larger
   (a scale kept from the previous call clips it);
 * **exhaustive**: every bf16 and fp16 bit pattern through each quantizer (per-row, per-tensor,
@@ -415,6 +415,14 @@ def _gemm_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[Gem
         b = CodeSpec(("bits", "positive")[i % 2], 1401 + 2 * i, e, False)
         yield cands((3, 2, 5)[i % 3], (5, 17, 4)[i % 3], (40, 16, 33)[i % 3], a, b, main, i, outs=(o,),
                     biases=((False, "random"),))
+    # the same magnitudes on two whole 128-wide K blocks: a block kernel that takes no partial block
+    # (LMDeploy's blocked_gemm_fp8) meets them too, and one that rescales its accumulator by a ratio
+    # of scale products per K tile meets 1 / (sa sb) beyond fp32's range
+    for i, (o, e) in enumerate(((_f32, -70), (_bf16, -68))):
+        if _fits(p, (2, 256), (3, 256)):
+            a = CodeSpec("bits", 1420 + 2 * i, e, i % 2 == 0)
+            b = CodeSpec("bits", 1421 + 2 * i, e, False)
+            yield cands(2, 3, 256, a, b, main, i, outs=(o,), biases=((False, "random"),))
     # rounding count: a bias that cancels row 0 of the product, bf16 and fp16 outputs
     for i, (K, o) in enumerate(((16, _bf16), (100, _f16), (300, _bf16), (64, _f16), (33, _bf16), (130, _f16))):
         if _fits(p, (3, K), (8, K)):

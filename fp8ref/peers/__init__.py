@@ -39,6 +39,7 @@ PEER_MODULES = (
     "fp8ref.peers.tinygrad_fp8",
     "fp8ref.peers.quark",
     "fp8ref.peers.openvino",
+    "fp8ref.peers.lmdeploy",
 )
 
 _PEERS: list[Peer] | None = None

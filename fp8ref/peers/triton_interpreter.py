@@ -1,8 +1,8 @@
-"""A test-harness patch of Triton's CPU interpreter: correctly rounding float downcasts and bf16
-arithmetic, applied only while fp8ref certifies a third-party Triton kernel.
+"""A test-harness patch of Triton's CPU interpreter: correctly rounding float downcasts, bf16
+arithmetic and int1 comparisons, applied only while fp8ref certifies a third-party Triton kernel.
 
 Why. Triton 3.9's interpreter (``TRITON_INTERPRET=1``, the only way to run Triton on a CPU) gets
-three things wrong that a GPU gets right (``properties/known_failures.py``):
+these things wrong that a GPU gets right (``properties/known_failures.py``):
 
 * ``interpreter._convert_float`` rounds fp32 -> fp8 with ties *away from zero* and, when rounding
   carries out of the mantissa, ORs the carry into the exponent field instead of adding it
@@ -11,7 +11,10 @@ three things wrong that a GPU gets right (``properties/known_failures.py``):
 * fp32 -> bf16 (``.to(tl.bfloat16)``, a bf16 store) truncates instead of rounding to nearest even;
 * bf16 values are held as uint16 and ``+ - * /`` on two bf16 tensors operate on the bit patterns
   (``c = acc.to(bf16); c += bias`` returns ~1e38);
-* fp8 -> wider upcasts decode NaN and Inf codes as finite numbers (0x7F E4M3FN -> 480).
+* fp8 -> wider upcasts decode NaN and Inf codes as finite numbers (0x7F E4M3FN -> 480);
+* a comparison's result is labelled with its operands' dtype (int32) instead of int1; splatted to
+  a block (a scalar condition such as ``row < M`` combined with a block mask) it becomes an int32
+  array, which ``tl.load`` and ``tl.store`` reject ("mask has unsupported dtype").
 
 A kernel certified under the unpatched interpreter would be blamed for Triton's bugs. Inside
 ``correct_downcasts()``:
@@ -25,7 +28,8 @@ A kernel certified under the unpatched interpreter would be blamed for Triton's 
   into -0, so a NaN code vanishes inside a GEMM);
 * a binary op on bf16 operands is computed on their fp32 values and rounded to nearest even once,
   which is the correctly rounded bf16 result (fp32 holds more than 2 * 8 + 2 bits, so the double
-  rounding is innocuous) -- what ``add.rn.bf16`` and friends return on a GPU.
+  rounding is innocuous) -- what ``add.rn.bf16`` and friends return on a GPU;
+* a comparison is an int1 tensor, as the compiler types it.
 
 Anything else (bf16/fp16 -> fp32 upcasts, round-toward-zero requests, fp8e4b15) goes to Triton's own code. The
 patch is undone on exit and is not thread-safe (the interpreter is single-threaded anyway).
@@ -119,7 +123,10 @@ def _make_binary_op(original):
             if out.dtype == np.float32:
                 return TensorHandle(_bf16_bits(out), tl.bfloat16)
             return TensorHandle(out, lhs.dtype.scalar) if out.dtype != np.bool_ else TensorHandle(out, tl.int1)
-        return original(self, lhs, rhs, op)
+        out = original(self, lhs, rhs, op)
+        if out.data.dtype == np.bool_ and out.dtype != tl.int1:  # a comparison of non-bool operands
+            return TensorHandle(out.data, tl.int1)
+        return out
 
     return binary_op
 

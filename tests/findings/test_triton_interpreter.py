@@ -10,6 +10,11 @@ GPU gets right. Standalone reproductions, no fp8ref; each fails today (strict xf
 * fp8 -> fp32 decodes NaN and Inf codes as finite numbers (E4M3FN 0x7F -> 480, E5M2 0x7C -> 65536,
   E4M3FNUZ 0x80 -> -0): a NaN code disappears inside ``tl.dot`` (no upstream report found for the
   interpreter; the same class on GPUs: triton PR#11784, intel-xpu-backend-for-triton#7771).
+* A comparison of two non-bool values is labelled with the operands' dtype (int32) instead of int1;
+  a scalar one (``row < rows``) combined with a block mask (``(o < n) & (row < rows)``) is splatted
+  to an int32 array, and ``tl.load`` raises ``ValueError('mask has unsupported dtype')``. LMDeploy's
+  ``quant_fp8`` does this (no upstream report found; searched triton-lang/triton issues for the
+  message and for interpreter masks combining a scalar condition).
 """
 
 import os
@@ -46,6 +51,14 @@ def _add_bf16(x_ptr, b_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + o, c, mask=m)
 
 
+@triton.jit
+def _copy_row(x_ptr, y_ptr, n, rows, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    o = tl.arange(0, BLOCK)
+    m = (o < n) & (row < rows)
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=m, other=0.0), mask=m)
+
+
 def cast(x: torch.Tensor, torch_dtype, triton_dtype) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch_dtype)
     _cast[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), OUT=triton_dtype, BLOCK=1024)
@@ -65,6 +78,13 @@ def every_code(dtype) -> torch.Tensor:
 def add_bf16(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.bfloat16)
     _add_bf16[(1,)](x, b, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return y
+
+
+def copy_row(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied by one program whose mask combines a block condition with a scalar one."""
+    y = torch.zeros_like(x)
+    _copy_row[(1,)](x, y, x.numel(), 1, BLOCK=triton.next_power_of_2(x.numel()))
     return y
 
 
@@ -107,6 +127,12 @@ def test_fp8_to_fp32_keeps_nan_and_inf(dtype):
     same = (got == want) | (torch.isnan(got) & torch.isnan(want))
     bad = (~same).nonzero().flatten()
     assert not len(bad), [(hex(int(i)), got[i].item(), want[i].item()) for i in bad[:3]]
+
+
+@pytest.mark.xfail(strict=True, reason="triton-interp-scalar-mask: no upstream report found")
+def test_scalar_condition_in_a_block_mask():
+    x = torch.arange(1.0, 7.0)
+    assert torch.equal(copy_row(x), x)
 
 
 if __name__ == "__main__":  # run standalone: the failures show (--runxfail), exit status 1

@@ -17,7 +17,7 @@ from fp8ref.spec import quant
 from fp8ref.spec.quant import Quantized
 from fp8ref.spec.schemes import W8A8_FP8, Granularity, QuantScheme
 
-from .base import Fp32Base, fp32_mm, reference_quantize
+from .base import Fp32Base, finish, fp32_mm, reference_quantize, segment_terms
 
 
 def _quantize_with_scale(x: torch.Tensor, scheme: QuantScheme, s: torch.Tensor) -> Quantized:
@@ -158,8 +158,40 @@ class FlushToZeroGemm(Fp32Base):
             torch.set_flush_denormal(False)
 
 
+class TileScaleRatioGemm(Fp32Base):
+    name = "mutant-tile-scale-ratio"
+    upstream = ("LMDeploy 0.18 blocked_gemm_fp8 (docs/findings.md, finding 21: the accumulator is rescaled by "
+                "1 / (sa sb) and s_(k-1) / s_k per K tile)")
+    klass = "format corners"
+    bug = ("a block GEMM that takes whole 128-wide K blocks only and keeps its fp32 accumulator in units of the "
+           "current tile's scale product: acc = dot_k + acc * (s_(k-1) / s_k), starting from 0 * (1 / s_0); a "
+           "product sa sb <= 2**-128 makes the reciprocal infinite and the output NaN")
+
+    def supports(self, case):
+        if case.op == "quantize":
+            return None
+        a, w = case.recipe.activation, case.recipe.weight
+        if a.granularity is not Granularity.GROUP or w.granularity is not Granularity.BLOCK:
+            return "1 x 128 activation groups and 128 x 128 weight blocks only"
+        if a.group_size != 128 or w.block != (128, 128) or case.K % 128:
+            return "whole 128-wide K blocks only"
+        return None
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        if a.data.shape[1] == 0:  # the spec's argument check, as the base
+            raise ValueError("a and b have 0 columns: the reduction dim K must be at least 1")
+        terms = list(segment_terms(a, b))
+        s = [sa[:, None] * sb[None, :] for _, _, sa, sb in terms] + [torch.ones((), dtype=torch.float32)]
+        acc = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float32)
+        ratio = 1 / s[0]
+        for k, (A, B, _, _) in enumerate(terms):
+            acc = A @ B.T + acc * ratio
+            ratio = s[k] / s[k + 1]
+        return finish(acc * (ratio * s[-1]), bias, out_dtype)
+
+
 SCALE_MUTANTS = (FusedTileLocalAmax, FusedAmaxRowSubset, FusedAmaxWrongAxis, FusedScaleHalved, FusedStaleScale,
-                 ScaleUnderflowZero, FlushToZeroGemm)
+                 ScaleUnderflowZero, FlushToZeroGemm, TileScaleRatioGemm)
 SCALE_CORRECT = (FusedLinear,)
 
 __all__ = [c.__name__ for c in SCALE_MUTANTS + SCALE_CORRECT] + ["SCALE_MUTANTS", "SCALE_CORRECT"]
