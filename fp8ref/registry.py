@@ -176,6 +176,15 @@ class Backend:
     bench_skip_reason : str or None
         Why ``fp8ref bench`` leaves this backend out by default (its times would say nothing about
         the kernel, e.g. under an interpreter). Default None: benchmarked.
+    float_weight : bool
+        True for a layer that takes the *float* weight ``[N, K]`` and quantizes it itself (a
+        framework's quantized layer, online weight quantization): ``prepare_weight`` then receives
+        that tensor (x's dtype) instead of the spec's ``Quantized``, and the ``linear`` contracts
+        judge the layer end to end against ``linear_error_bound`` (computed from the spec's own
+        quantization of ``x`` and ``w``, never from the layer's). ``fp8ref.linear``, the selector and
+        ``Fp8Linear`` hand backends quantized weights, so ``register_backend`` refuses such a
+        backend; it is certified from outside (``fp8ref.conformance.check``, ``fp8ref certify``).
+        Default False.
     version : str or None
         What the selector's cache key holds of this backend's code beyond its class and
         declaration (a digest of native sources, a library's version): a decision timed on other
@@ -192,6 +201,7 @@ class Backend:
     conformance_max_examples: int | None = None
     time_budget_s: float | None = None
     bench_skip_reason: str | None = None
+    float_weight: bool = False
     version: str | None = None
 
     @property
@@ -240,7 +250,8 @@ class Backend:
 
     def prepare_weight(self, w: Quantized) -> Any:
         """Optional load-time hook: turn a quantized weight into whatever ``scaled_mm`` is fastest
-        with (a layout change, a wider copy). The default keeps the Quantized as is."""
+        with (a layout change, a wider copy). The default keeps the Quantized as is. A backend that
+        declares ``float_weight`` receives the float weight ``[N, K]`` here instead."""
         return w
 
     def __repr__(self) -> str:
@@ -373,6 +384,10 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     if backend.rejects_non_finite and (nf.x != RAISE or nf.bias != RAISE):
         raise ValueError(f"backend {backend.name!r}: rejects_non_finite says NaN/Inf in x and bias raise, but "
                          f"non_finite declares x={nf.x!r}, bias={nf.bias!r}")
+    if backend.float_weight:
+        raise ValueError(f"backend {backend.name!r} declares float_weight (it quantizes the float weight itself): "
+                         "fp8ref.linear hands backends the spec's quantized weight; certify it with "
+                         "fp8ref.conformance.check instead of registering it")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
     _ENTRY_POINT_NAMES.discard(backend.name)  # the user's own registration: their choice

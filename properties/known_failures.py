@@ -254,6 +254,15 @@ KNOWN_FAILURES += [
                           "reached through the fp16 scale",
         test=_F + "test_jax_mxfp8.py::test_small_fp16_block_keeps_its_codes"),
     *_peer_entries(
+        "jax-xla-dot-ftz", "jax-xla-dot", ("scaled_mm.bound",),
+        applies="jax 0.10.2 on XLA:CPU, a GEMM output below 2**-126 (tiny scales)",
+        what="XLA:CPU compiles with flush-to-zero: a subnormal fp32 result of dot(a, b) * sa * sb + bias is "
+             "returned as +-0 (-0.0 for -12 x 2**-140)",
+        link="https://github.com/openxla/xla/issues/22858",
+        reason="by design: XLA:CPU sets denormal-fp-math=preserve-sign (openxla/xla#22858, open feature request "
+               "for an option; PR #35740 closed unmerged)",
+        test=_F + "test_jax_xla_dot.py::test_subnormal_scaled_product_is_kept"),
+    *_peer_entries(
         "modelopt-tiny-amax", "modelopt-fp8", ("quantize.scale",),
         applies="nvidia-modelopt 0.47.0, CPU fake quantization (_fp8_eager)",
         what="amax <= 2**-24 is replaced by 1: a block of tiny values quantizes to zero codes",
@@ -339,6 +348,58 @@ KNOWN_FAILURES += [
         what="the bias is added after rounding acc * scales to the output dtype (c += bias): two roundings",
         link=None, reason="no upstream report found; certified as declared (output_roundings=2, standard class)",
         test=_F + "test_lmdeploy_w8a8.py::test_bias_is_added_before_the_output_rounding"),
+    # keras' float8 Dense: the same source on the torch and the jax backend (rows keras-dense-float8-*,
+    # keras-jax-dense-float8-*); on jax, XLA:CPU also flushes a subnormal scale to 0 (finding 25)
+    *(entry for be in ("", "jax-") for entry in _peer_entries(
+        f"keras-float8-fp32-bias-bf16{'-' + be[:-1] if be else ''}", f"keras-{be}dense-float8-fp32", ("linear.bound",),
+        applies="keras 3.15.1 Dense.quantize('float8'), fp32 layers with a bias",
+        what="_float8_call rounds an fp32 layer's bias to bf16 before adding it (a TensorFlow fusion "
+             "workaround, tensorflow PR #60306, applied on every backend)",
+        link=None, reason="no upstream report found (searched keras-team/keras: Dense float8 bias bfloat16)",
+        test=_F + "test_keras_float8.py::test_fp32_layer_adds_its_bias_unrounded")),
+    *(entry for dt in ("bf16", "fp32") for entry in _peer_entries(
+        f"keras-float8-tiny-amax-zero-scale-{dt}", f"keras-dense-float8-{dt}", ("linear.bound",),
+        applies=f"keras 3.15.1 Dense.quantize('float8'), {dt} layers, a tensor with amax below 448 / FLT_MAX "
+                "(about 1.3e-36)",
+        what="compute_float8_scale forms 448 / amax, which overflows to Inf, and returns 1 / Inf = 0: the "
+             "tensor dequantizes to 0 (x / 0 clips to +-448, times 0), its zeros to NaN",
+        link=None, reason="no upstream report found (searched keras-team/keras issues and PRs: float8 scale "
+                          "amax overflow zero)",
+        test=_F + "test_keras_float8.py::test_tiny_tensor_gets_a_nonzero_scale")),
+    *(entry for dt in ("bf16", "fp32") for entry in _peer_entries(
+        f"keras-float8-tiny-amax-zero-scale-jax-{dt}", f"keras-jax-dense-float8-{dt}", ("linear.bound",),
+        applies=f"keras 3.15.1 on jax (XLA:CPU), {dt} layers, a tensor with amax below 448 x 2**-126 (about 5.3e-36)",
+        what="compute_float8_scale's 1 / (448 / amax) is 0 below 448 / FLT_MAX and subnormal up to 448 x 2**-126, "
+             "which XLA:CPU flushes to 0: the tensor dequantizes to 0, its zeros to NaN",
+        link=None, reason="no upstream report found (searched keras-team/keras issues and PRs: float8 scale "
+                          "amax overflow zero)",
+        test=_F + "test_keras_float8.py::test_tiny_tensor_gets_a_nonzero_scale_on_jax")),
+    *_peer_entries(
+        "keras-float8-jax-fp16-reciprocal-overflow", "keras-jax-dense-float8-fp16", ("linear.bound",),
+        applies="keras 3.15.1 on jax (XLA:CPU), fp16 layers, a tensor with amax below about 448 x 2**-16 (6.8e-3)",
+        what="XLA:CPU evaluates quantize_and_dequantize's fp16 x / scale (a 0-d scale) as x * (1 / scale) with "
+             "the reciprocal in fp16, which overflows to Inf for a scale below about 2**-16: every code saturates "
+             "at +-448 (flax's quantize broadcasts the scale first and is not affected)",
+        link=None, reason="no upstream report found (searched openxla/xla and jax-ml/jax issues: float16 division "
+                          "reciprocal overflow on CPU; keras-team/keras: float8 float16)",
+        test=_F + "test_keras_float8.py::test_jax_fp16_small_tensor_keeps_its_values"),
+    *(entry for be in ("", "jax-") for entry in _peer_entries(
+        f"keras-float8-fp16-scale-underflow{'-' + be[:-1] if be else ''}", f"keras-{be}dense-float8-fp16",
+        ("linear.bound",),
+        applies="keras 3.15.1 Dense.quantize('float8'), fp16 layers, a tensor with amax below 448 x 2**-25",
+        what="quantize_and_dequantize casts the fp32 scale to fp16, where a scale below 2**-25 is 0: the tensor "
+             "dequantizes to 0 and its zeros to NaN",
+        link=None, reason="no upstream report found (searched keras-team/keras: quantize_and_dequantize float16 "
+                          "scale underflow)",
+        test=_F + "test_keras_float8.py::test_fp16_small_tensor_keeps_its_values")),
+    *(entry for be in ("", "jax-") for dt in ("bf16", "fp16") for entry in _peer_entries(
+        f"keras-float8-double-rounding-{be}{dt}", f"keras-{be}dense-float8-{dt}", (),
+        applies=f"keras 3.15.1 quantize_and_dequantize, {dt} layers",
+        what="x / scale is computed in the layer's dtype before the E4M3 cast: two roundings (flax's finding 15); "
+             "within the linear bound on every example drawn, visible in the bit-exact column",
+        link=None, reason="no upstream report found (searched keras-team/keras: float8 quantize compute dtype "
+                          "rounding)",
+        test=_F + "test_keras_float8.py::test_bf16_input_is_rounded_once")),
 ]
 
 def known_failure(id: str) -> dict:

@@ -551,3 +551,48 @@ def test_argument_checks_have_one_home():
                 if (node.module or "").split(".")[-1] not in ("checks", "dense"):
                     bad.append(f"{rel}:{node.lineno} imports an argument check from {node.module!r}, not spec.checks")
     assert not bad, "\n".join(bad)
+
+
+#: What the selector may take from the spec's bounds: the precision classes it admits backends by.
+#: Error bounds and comparisons are the checking core's (``fp8ref.check``), which the probe runs.
+SELECT_FROM_BOUNDS = {"PrecisionClass"}
+
+
+def test_the_selector_compares_nothing_itself():
+    """``fp8ref.select`` judges a backend only through the checking core (issue 33: the probe runs
+    the contracts' checks): it never imports ``spec.compare``, nor an error bound from
+    ``spec.bounds`` (at module level or inside a function)."""
+    bad = []
+    for name in _modules():
+        if _area(name) != "fp8ref.select":
+            continue
+        for node in ast.walk(_tree(name)):
+            if isinstance(node, ast.ImportFrom):
+                target = _absolute(name, node.level, node.module)
+                names = {a.name for a in node.names}
+                if target == "fp8ref.spec.compare" or (target == "fp8ref.spec" and names & {"compare", "bounds"}):
+                    bad.append(f"{name}:{node.lineno} imports {sorted(names)} from {target}")
+                elif target == "fp8ref.spec.bounds" and names - SELECT_FROM_BOUNDS:
+                    bad.append(f"{name}:{node.lineno} imports {sorted(names - SELECT_FROM_BOUNDS)} from {target}")
+            elif isinstance(node, ast.Import):
+                bad += [f"{name}:{node.lineno} imports {a.name}" for a in node.names
+                        if a.name in ("fp8ref.spec.compare", "fp8ref.spec.bounds")]
+    assert not bad, "the selector's comparisons belong to fp8ref.check:\n" + "\n".join(bad)
+
+
+def test_the_checking_core_imports_only_below_it():
+    """``fp8ref.check`` sits below the selector and the conformance driver that run it: even inside
+    a function it imports only the areas below it (the spec, the registry) and itself, and never
+    Hypothesis (the ``conformance`` extra), so the selector runs without that extra."""
+    bad = []
+    for name in _modules():
+        if _area(name) != "fp8ref.check":
+            continue
+        for target, _, line in _imports(name):
+            if _area(target) != "fp8ref.check" and RANK.get(_area(target), len(LAYERS)) >= RANK["fp8ref.check"]:
+                bad.append(f"{name}:{line} imports {target}")
+        for node in ast.walk(_tree(name)):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            bad += [f"{name}:{node.lineno} imports {m}" for m in mods if m.split(".")[0] == "hypothesis"]
+    assert not bad, "the checking core imports above itself:\n" + "\n".join(bad)

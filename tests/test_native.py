@@ -405,7 +405,7 @@ def test_probe_and_contract_reject_a_linear_that_differs():
     case = fp8ref.Case(4, 32, 64, fp8ref.W8A8_FP8)
     assert probe(_TwoCalls(), case).compliant
     res = probe(_BadLinear(), case)
-    assert not res.compliant and "linear() vs scaled_mm(quantize())" in res.detail
+    assert not res.compliant and "linear.matches_two_calls" in res.detail
     p = contracts._L_EX[0]
     assert contracts.check_linear_matches_two_calls(_TwoCalls(), p) == 0.0
     with pytest.raises(contracts.ContractViolation, match="linear differs"):

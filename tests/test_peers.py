@@ -3,6 +3,7 @@ and defects not, the matrix's verdicts kept current (the onnxruntime and torchao
 others where their packages are installed)."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 import fp8ref
 from fp8ref import Quantized, QuantScheme
+from fp8ref.conformance import accumulator_bits
 from fp8ref.conformance.strategies import QuantizeProblem, TensorSpec
 from fp8ref.peers import Peer, get_peer, peer_names, peers
 from fp8ref.peers.certify import certify_peer
@@ -31,7 +33,8 @@ def test_peers_listed_without_importing_their_packages():
     assert len(names) == len(set(names)) >= 15
     code = ("import sys, fp8ref.peers as p; p.peers(); "
             "print(sorted(m for m in ('sglang', 'vllm', 'onnxruntime', 'torchao', 'jax', 'compressed_tensors', "
-            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark', 'openvino', 'lmdeploy') if m in sys.modules))")
+            "'optimum', 'modelopt', 'flax', 'tinygrad', 'quark', 'openvino', 'lmdeploy', 'keras') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     for p in peers():
@@ -244,3 +247,120 @@ def test_merge_puts_new_rows_in_and_keeps_the_others():
     assert again.count("### `fake-other`") == 1 and recorded_verdicts(again) == recorded_verdicts(merged)
     assert again.count("Rows merged by") == 1 and "elsewhere" not in again  # the superseded note goes
     assert "\n\nRows merged by" in again
+
+
+class _FloatWeightLayer(Peer):
+    """A layer that takes the float weight and quantizes both operands itself (``float_weight``): the
+    spec's per-tensor quantization and GEMM, fp32 output."""
+
+    name, project, distribution = "fake-float-weight", "test", "torch"
+    entry, notes = "spec quantize + scaled_mm inside linear", "the spec's own numerics"
+    ops = ("linear",)
+    float_weight = True
+    recipes = (fp8ref.spec.schemes.FP8_PER_TENSOR,)
+    seen: list = []
+
+    def supports(self, case):
+        if case.recipe.weight.granularity.value != "tensor" or case.recipe.activation.granularity.value != "tensor":
+            return "one scale per tensor"
+        return None if case.x_dtype == case.out_dtype == torch.float32 else "fp32 only"
+
+    def prepare_weight(self, w):
+        self.seen.append(w)
+        return w
+
+    def _weight(self, w, scheme):
+        return fp8ref.spec.quant.quantize(w, scheme)
+
+    def linear(self, x, w, bias=None, out_dtype=torch.float32, scheme=None, scale=None):
+        qw = self._weight(w, self.recipes[0].weight)
+        return fp8ref.spec.gemm.scaled_mm(fp8ref.spec.quant.quantize(x, scheme), qw, bias, out_dtype)
+
+
+class _HalfAmaxWeightLayer(_FloatWeightLayer):
+    """The same layer with its weight scale computed from half the amax: the largest weights clip."""
+
+    name = "fake-float-weight-half-amax"
+
+    def _weight(self, w, scheme):
+        s = fp8ref.spec.quant.compute_scale(w, scheme) / 2
+        return fp8ref.spec.quant.quantize(w, scheme.with_(dynamic=False), s)
+
+
+class _Bf16SumLayer(_FloatWeightLayer):
+    """The same layer summing the dequantized products along K in a bf16 running sum."""
+
+    name = "fake-float-weight-bf16-sum"
+
+    def linear(self, x, w, bias=None, out_dtype=torch.float32, scheme=None, scale=None):
+        a = fp8ref.dequantize(fp8ref.spec.quant.quantize(x, scheme), torch.float32)
+        b = fp8ref.dequantize(self._weight(w, self.recipes[0].weight), torch.float32)
+        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        for k in range(x.shape[1]):
+            acc = (acc.float() + a[:, k:k + 1] * b[:, k]).to(torch.bfloat16)
+        return acc.to(out_dtype)
+
+
+def test_a_layer_that_quantizes_its_float_weight_is_certified_end_to_end():
+    """``Backend.float_weight``: the linear contract hands ``prepare_weight`` the float weight, and
+    judges the layer against the bound computed from the spec's quantization (a layer whose weight
+    scale clips fails); ``register_backend`` refuses such a layer (fp8ref.linear hands backends
+    quantized weights) and the calling contract declines it; certify measures a linear-only peer's outputs (the
+    spec's own: all bit-exact) and reads its accumulator through linear."""
+    _FloatWeightLayer.seen = []
+    ok = certify_peer(_FloatWeightLayer(), "dev", seed=0, contracts=["linear.bound"])
+    assert ok.report.result("linear.bound").status == "pass", ok.report.result("linear.bound").message
+    assert _FloatWeightLayer.seen and all(not isinstance(w, Quantized) and w.dtype == torch.float32
+                                          for w in _FloatWeightLayer.seen)
+    assert ok.exact_label == "outputs" and ok.exact_outputs == 100 and ok.exact_samples > 0
+    assert ok.expressible.startswith("linear: fp8; x fp32; out fp32; bias")
+    assert ok.non_finite == "raises ValueError"  # the spec's quantize refuses NaN
+    assert ok.report.accumulator_bits == 35  # the spec's GEMM is exact: the probe's range, read through linear
+    assert accumulator_bits(_Bf16SumLayer()) == 8
+    bad = certify_peer(_HalfAmaxWeightLayer(), "dev", seed=0, contracts=["linear.bound"], measure=False)
+    assert bad.report.result("linear.bound").status == "fail"
+    with pytest.raises(ValueError, match="float_weight"):
+        fp8ref.register_backend(_FloatWeightLayer())
+    layout = certify_peer(_FloatWeightLayer(), "dev", seed=0, contracts=["linear.layout"], measure=False)
+    res = layout.report.result("linear.layout")  # the calling contract hands a quantized weight: declined
+    assert res.status == "untested" and "takes the float weight" in res.note
+
+
+@pytest.mark.skipif(not _installed("keras"), reason="needs keras (docs/certified.md, 'Installing the peers')")
+def test_keras_rows_leave_torch_state_alone():
+    """The keras rows import keras (torch backend) in the process that certifies every peer: torch's
+    global state is the same after the import and after a layer call as before."""
+    code = """
+import torch
+from fp8ref.spec.fenv import flushing
+def state():
+    return (torch.get_default_dtype(), torch.get_num_threads(), torch.get_num_interop_threads(),
+            torch.is_grad_enabled(), torch.get_float32_matmul_precision(),
+            torch.are_deterministic_algorithms_enabled(), str(torch.get_default_device()), flushing(),
+            torch.is_autocast_enabled("cpu"), torch.is_inference_mode_enabled())
+before = state()
+from fp8ref.peers import get_peer
+p = get_peer("keras-dense-float8-bf16")
+assert p.available() is None, p.available()
+after_import = state()
+x, w = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+p.linear(x, p.prepare_weight(w), None, torch.bfloat16, p.recipes[0].activation)
+print(before == after_import == state(), before, state())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.startswith("True"), out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _installed("keras"), reason="needs keras (docs/certified.md, 'Installing the peers')")
+def test_keras_torch_rows_of_the_certification_matrix_are_current():
+    """Recompute the three keras torch-backend rows (contracts only, each peer in its own process) and
+    compare their verdicts with docs/certified.md. Slow: about 1 minute on 2 cores (the jax rows,
+    about 3 minutes each, are left to ``fp8ref certify``)."""
+    from fp8ref.cli import main
+
+    rc = main(["certify", "--peer", "keras-dense-float8-bf16", "--peer", "keras-dense-float8-fp16",
+               "--peer", "keras-dense-float8-fp32", "--no-measure",
+               "--check", str(MATRIX), "--known-failures", str(ROOT / "properties" / "known_failures.py")])
+    assert rc == 0

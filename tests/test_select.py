@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -400,3 +401,51 @@ def test_runoff_skips_backends_far_behind(fakes, monkeypatch):
             fp8ref.unregister_backend(b.name)
     assert d.chosen == "t-fast"
     assert _row(d, "t-slower").runs > 1 and "run-off" not in _row(d, "t-slower").note
+
+
+def test_the_probe_runs_the_contracts(monkeypatch):
+    """Every check of the probe is the conformance contract of that name (issue 33): the same
+    function, except ``linear.bound``, which the contract runs through the api path (the probe
+    cannot: it runs inside ``fp8ref.linear``'s selection) and ``linear.non_finite``, of which the
+    probe runs the part ``rejects_non_finite`` promises."""
+    from fp8ref.check import linear as core_linear
+    from fp8ref.check.probe import PROBE_CHECKS
+    from fp8ref.conformance.contracts import get_contract
+    from fp8ref.conformance.contracts import linear as contract_linear
+
+    names = [c.name for c in PROBE_CHECKS]
+    assert {"quantize.scale", "quantize.codes", "scaled_mm.bound", "linear.bound"} <= set(names)
+    for c in PROBE_CHECKS:
+        contract = get_contract(c.name)
+        assert contract.op == c.op
+        if c.name not in ("linear.bound", "linear.non_finite"):
+            assert contract.check is c.check, c.name
+    assert c.check is not get_contract("linear.non_finite").check  # the declared part only
+    seen = []
+    monkeypatch.setattr(core_linear, "check_linear_bound", lambda b, p, call_linear: seen.append(call_linear) or 0.0)
+    assert get_contract("linear.bound").check(None, None) == 0.0
+    assert seen == [contract_linear.api_linear]
+
+
+def test_the_probe_rejects_what_the_contract_rejects():
+    """A backend the contracts' own check rejects fails the probe with that contract's name."""
+    case = Case(M=4, N=32, K=64, recipe=fp8ref.W8A8_FP8)
+    for bad, contract in ((ScaleTwice("t-twice"), "scaled_mm.bound"), (NanOnZeroRow("t-nan"), "quantize.")):
+        res = sel.probe(bad, case)
+        assert not res.compliant and res.detail.startswith(contract), res.detail
+        assert res.worst_ratio > 1
+
+
+def test_the_selector_runs_without_hypothesis(tmp_path):
+    """The probe's checks live below the selector (``fp8ref.check``): ``backend="auto"`` needs
+    no Hypothesis, which only the ``conformance`` extra installs."""
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "import torch, fp8ref\n"
+            "from fp8ref.select import probe\n"
+            "case = fp8ref.Case(M=4, N=32, K=64, recipe=fp8ref.W8A8_FP8)\n"
+            "assert probe(fp8ref.get_backend('torch'), case).compliant\n"
+            "y = fp8ref.linear(torch.randn(4, 64), torch.randn(32, 64), backend='auto', candidates=['torch'])\n"
+            "assert 'hypothesis' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(fp8ref.__file__).parents[1]), sel.ENV_CACHE_DIR: str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

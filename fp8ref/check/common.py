@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -16,8 +17,10 @@ from ..registry import Backend, Case, backend_quantize, decline_reason
 from ..spec import quant
 from ..spec.compare import compare, compare_bits
 from ..spec.quant import Quantized
+from .given import GIVEN_PROBLEMS
 
-__all__ = ["ContractViolation", "Declined", "poison_allocator", "reference_threads", "backend_threads"]
+__all__ = ["ContractViolation", "Declined", "poison_allocator", "reference_threads", "backend_threads",
+           "backend_device"]
 
 
 class ContractViolation(AssertionError):
@@ -98,9 +101,47 @@ def backend_threads():
         torch.set_num_threads(1)
 
 
+#: The device the backend's calls run on (see ``backend_device``); None: where the problem's tensors are.
+_BACKEND_DEVICE: list[torch.device | None] = [None]
+
+
+@contextmanager
+def backend_device(device: str | torch.device | None):
+    """Run the backend's calls on ``device`` while the problem, the reference and the bounds stay
+    on the CPU: the calls into a backend below move their inputs there and their results back.
+    The selector's probe runs a CUDA backend this way; the conformance driver gives a backend the
+    problem's own (CPU) tensors and never sets it."""
+    outer = _BACKEND_DEVICE[0]
+    _BACKEND_DEVICE[0] = None if device is None else torch.device(device)
+    try:
+        yield
+    finally:
+        _BACKEND_DEVICE[0] = outer
+
+
+def _dev(t):
+    """A tensor or ``Quantized`` (or None) on the backend's device (itself when already there)."""
+    device = _BACKEND_DEVICE[0]
+    if t is None or device is None:
+        return t
+    if isinstance(t, Quantized):
+        return t if t.data.device == device else replace(t, data=t.data.to(device), scale=t.scale.to(device))
+    return t if t.device == device else t.to(device)
+
+
+def _host(t):
+    """A backend's result (a tensor or ``Quantized``; anything else as is) back on the CPU, where
+    the reference is, when the backend runs on a device of its own."""
+    if _BACKEND_DEVICE[0] is None:
+        return t
+    if isinstance(t, Quantized) and isinstance(t.data, torch.Tensor) and isinstance(t.scale, torch.Tensor):
+        return replace(t, data=t.data.cpu(), scale=t.scale.cpu())
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
 def _quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
     with backend_threads():
-        q = backend_quantize(backend, x, scheme, scale)
+        q = _host(backend_quantize(backend, _dev(x), scheme, _dev(scale)))
     if not isinstance(q, Quantized):
         raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
     if q.scheme != scheme:
@@ -127,18 +168,39 @@ def _build(problem):
         raise Declined(f"premise: the spec refuses the input: {exc}") from None
 
 
-def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan")) -> torch.Tensor:
+def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan"), *,
+        rows: int | None = None) -> torch.Tensor:
+    """``backend.scaled_mm(a, prepare_weight(b), bias)`` on poisoned output memory, its result's type,
+    shape and dtype checked; with ``rows``, called on chunks of that many rows of ``a`` (the weight
+    prepared once) and the results stacked: the backend runs at a small M of the caller's choice
+    while the reference and the bound are computed once for all rows (every output row depends
+    only on its own row of ``a``, with that row's scales, and on ``b``)."""
     M, N = a.data.shape[0], b.data.shape[0]
-    poison_allocator((M, N), a.data.device, poison)
+    a, b, bias = _dev(a), _dev(b), _dev(bias)
     with backend_threads():
-        y = backend.scaled_mm(a, backend.prepare_weight(b), bias, out_dtype)
-    if not isinstance(y, torch.Tensor):
-        raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
-    if tuple(y.shape) != (M, N):
-        raise ContractViolation(f"scaled_mm returned shape {tuple(y.shape)}, expected [M, N] = [{M}, {N}]")
-    if y.dtype != out_dtype:
-        raise ContractViolation(f"scaled_mm returned dtype {y.dtype}, asked for {out_dtype}")
-    return y
+        prepared = backend.prepare_weight(b)
+    ys = []
+    for r0 in range(0, max(M, 1), rows or max(M, 1)):
+        ai = a if rows is None else _row_chunk(a, r0, min(r0 + rows, M))
+        m = ai.data.shape[0]
+        poison_allocator((m, N), a.data.device, poison)
+        with backend_threads():
+            y = _host(backend.scaled_mm(ai, prepared, bias, out_dtype))
+        if not isinstance(y, torch.Tensor):
+            raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
+        if tuple(y.shape) != (m, N):
+            raise ContractViolation(f"scaled_mm returned shape {tuple(y.shape)}, expected [M, N] = [{m}, {N}]")
+        if y.dtype != out_dtype:
+            raise ContractViolation(f"scaled_mm returned dtype {y.dtype}, asked for {out_dtype}")
+        ys.append(y)
+    return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+
+def _row_chunk(q: Quantized, r0: int, r1: int) -> Quantized:
+    """Rows ``r0:r1`` of ``q`` with the scales that cover them (a scale block of several rows is
+    kept whole: each row's scale is the one it was quantized with)."""
+    r, _ = q.scheme.block_shape(*q.data.shape)
+    return Quantized(q.data[r0:r1], q.scale[r0 // r:(r1 - 1) // r + 1], q.scheme)
 
 
 def _same_bits(u: torch.Tensor, v: torch.Tensor) -> bool:
@@ -179,17 +241,25 @@ _CACHE: OrderedDict = OrderedDict()
 _CACHE_MAX = 4096
 
 
-def _cached(key, compute):
-    hit = _CACHE.get(key)
+def _cached(key, compute, *, lru: bool = True):
+    """``compute()``, memoised under ``key`` (whose second entry is the problem): in the problem's
+    own ``memo`` for a problem on given tensors (``given``: its results live and die with it, and
+    the process-wide cache never holds a caller's tensors), in the process-wide LRU otherwise --
+    or, with ``lru=False``, not at all (results whose tensors may be large and which few checks
+    share: a described problem recomputes them, as before they were memoised for given ones)."""
+    store = key[1].memo if isinstance(key[1], GIVEN_PROBLEMS) else _CACHE if lru else None
+    if store is None:
+        return compute()
+    hit = store.get(key)
     if hit is None:
         try:
             hit = ("ok", compute())
         except Declined as exc:
             hit = ("declined", exc)
-        _CACHE[key] = hit
-        if len(_CACHE) > _CACHE_MAX:
+        store[key] = hit
+        if store is _CACHE and len(_CACHE) > _CACHE_MAX:
             _CACHE.popitem(last=False)
-    else:
+    elif store is _CACHE:
         _CACHE.move_to_end(key)
     if hit[0] == "declined":
         raise Declined(str(hit[1]))

@@ -27,8 +27,12 @@ from .common import (
     ContractViolation,
     Declined,
     _build,
+    _cached,
     _check_within,
+    _copy,
+    _dev,
     _first_diff,
+    _host,
     _quantize,
     _ref_quantize,
     _require,
@@ -36,6 +40,7 @@ from .common import (
     backend_threads,
     poison_allocator,
 )
+from .given import GivenLinear
 from .problems import LinearProblem
 
 
@@ -54,10 +59,30 @@ def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scal
     if scale is not None and not _linear_takes_scale(backend):
         raise Declined(f"premise: backend {backend.name!r}: linear() takes no scale=, so no static activation "
                        f"scheme ({scheme.short_str()})")
+    x, bias, scale = _dev(x), _dev(bias), _dev(scale)
     with backend_threads():
         if scale is None:
-            return backend.linear(x, prepared, bias, out_dtype, scheme)
-        return backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale)
+            return _host(backend.linear(x, prepared, bias, out_dtype, scheme))
+        return _host(backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale))
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+def _linear_inputs(p: LinearProblem | GivenLinear) -> tuple:
+    """``(x, w, bias, scale, qx, qw)``: the problem's tensors, the caller's activation scale (None
+    for a dynamic scheme) and the spec's quantizations of x and w (the weight's from the problem
+    when a given one carries it: the probe's chunks share one weight). Computed once per given
+    problem (its memo), afresh for a described one; the caller copies what a backend receives."""
+    def compute():
+        x, w, bias = _build(p)
+        scale = p.act_scale(x)
+        qx = _ref_quantize(x, p.recipe.activation, scale)
+        qw = p.qw if isinstance(p, GivenLinear) and p.qw is not None else _ref_quantize(w, p.recipe.weight)
+        return x, w, bias, scale, qx, qw
+
+    return _cached(("linear", p), compute, lru=False)
 
 
 @dataclass(frozen=True)
@@ -81,10 +106,10 @@ LinearCall = Callable[[Backend, LinearArgs], Any]
 
 
 def backend_linear(backend: Backend, args: LinearArgs) -> Any:
-    """The backend's own linear: ``prepare_weight`` of the reference-quantized weight, then the
-    ``Backend.linear`` hook (a fused kernel, or the default ``scaled_mm(quantize(x))``)."""
-    with backend_threads():
-        prepared = backend.prepare_weight(_to_device(args.qw, args.x.device))
+    """The backend's own linear: ``prepare_weight`` of the reference-quantized weight (of the float
+    weight itself for a layer that declares ``float_weight``), then the ``Backend.linear`` hook (a
+    fused kernel, or the default ``scaled_mm(quantize(x))``)."""
+    prepared = _prepare(backend, args.qw, args.w)
     return _backend_linear(backend, args.x, prepared, args.bias, args.out_dtype, args.recipe.activation, args.scale)
 
 
@@ -92,7 +117,7 @@ def _linear(backend: Backend, args: LinearArgs, call_linear: LinearCall) -> torc
     """The backend's linear through ``call_linear``, on output memory poisoned first, its result's
     type, shape and dtype checked."""
     x, w, out_dtype = args.x, args.w, args.out_dtype
-    poison_allocator((x.shape[0], w.shape[0]), x.device)
+    poison_allocator((x.shape[0], w.shape[0]), _dev(x).device)
     y = call_linear(backend, args)
     if not isinstance(y, torch.Tensor):
         raise ContractViolation(f"linear returned {type(y).__name__}, not a tensor")
@@ -108,18 +133,21 @@ def check_linear_bound(backend: Backend, p: LinearProblem, *, call_linear: Linea
     (``linear_error_bound``): whatever scale the backend chose inside its linear, the bound never
     reads it."""
     _require(backend, p.case())
-    x, w, bias = _build(p)
-    scale = p.act_scale(x)
-    qx = _ref_quantize(x, p.recipe.activation, scale)
-    qw = _ref_quantize(w, p.recipe.weight)
-    y_true = x.to(torch.float64) @ w.to(torch.float64).T
-    if bias is not None:
-        y_true = y_true + bias.to(torch.float64)
-    if bool((y_true.abs() > torch.finfo(p.out_dtype).max / 4).any()):
-        raise Declined(f"premise: the exact result overflows {p.out_dtype}")
-    y = _linear(backend, LinearArgs(x, w, qw, bias, p.recipe, p.out_dtype, scale), call_linear)
-    bound = linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
-                               output_roundings=backend.output_roundings)
+    x, w, bias, scale, qx, qw = _linear_inputs(p)
+
+    def exact():
+        y = x.to(torch.float64) @ w.to(torch.float64).T
+        y = y if bias is None else y + bias.to(torch.float64)
+        if bool((y.abs() > torch.finfo(p.out_dtype).max / 4).any()):
+            raise Declined(f"premise: the exact result overflows {p.out_dtype}")
+        return y
+
+    y_true = _cached(("linear_exact", p), exact, lru=False)
+    y = _linear(backend, LinearArgs(x.clone(), w.clone(), _copy(qw), _clone(bias), p.recipe, p.out_dtype,
+                                    _clone(scale)), call_linear)
+    bound = _cached(("linear_bound", p, backend.accumulation, backend.output_roundings), lambda: linear_error_bound(
+        x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
+        output_roundings=backend.output_roundings), lru=False)
     return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound of the spec's "
                          "quantization)", y, y_true, bound)
 
@@ -128,16 +156,13 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
     returns, bit for bit, on the weight prepared by ``prepare_weight``."""
     _require(backend, p.case())
-    x, w, bias = _build(p)
-    scale = p.act_scale(x)
-    _ref_quantize(x, p.recipe.activation, scale)
-    qw = _ref_quantize(w, p.recipe.weight)
-    with backend_threads():
-        prepared = backend.prepare_weight(_to_device(qw, x.device))
+    x, w, bias, scale, _, qw = _linear_inputs(p)
+    x, bias, scale = x.clone(), _clone(bias), _clone(scale)
+    prepared = _prepare(backend, _copy(qw), w)
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
     qx = _quantize(backend, x, p.recipe.activation, scale)
     with backend_threads():
-        y2 = backend.scaled_mm(qx, prepared, bias, p.out_dtype)
+        y2 = _host(backend.scaled_mm(_dev(qx), prepared, _dev(bias), p.out_dtype))
     if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
         raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
                                 f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
@@ -146,5 +171,37 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     return 0.0
 
 
-def _to_device(q: Quantized, device) -> Quantized:
-    return q if q.data.device == device else Quantized(q.data.to(device), q.scale.to(device), q.scheme)
+def _prepare(backend: Backend, qw: Quantized, w: torch.Tensor) -> Any:
+    """The backend's prepared weight: from the spec's quantization ``qw`` (load time), or from the
+    float ``w`` itself for a layer that quantizes its own weight (``Backend.float_weight``)."""
+    with backend_threads():
+        if backend.float_weight:
+            return backend.prepare_weight(_dev(w.clone()))
+        return backend.prepare_weight(_dev(qw))
+
+
+def check_linear_refuses_non_finite(backend: Backend, p: LinearProblem) -> float:
+    """A backend declaring ``rejects_non_finite`` raises ``ValueError`` from its linear for NaN in x
+    and for NaN in the bias, as the spec does (``fp8ref.linear`` then skips its own scans of x and
+    the bias, so a false declaration would let NaN through unannounced). This is the part of the
+    calling contract's ``linear.non_finite`` that the declaration promises (that contract checks
+    every declared ``Backend.non_finite`` answer, on every kind of input, with Inf too); premise:
+    the backend declares it."""
+    if not backend.rejects_non_finite:
+        raise Declined(f"premise: backend {backend.name!r} does not declare rejects_non_finite")
+    _require(backend, p.case())
+    x, w, bias, _, _, qw = _linear_inputs(p)
+    prepared = _prepare(backend, _copy(qw), w)
+    bad_x = x.clone()
+    bad_x[0, 0] = float("nan")
+    bad_bias = torch.zeros(w.shape[0], dtype=x.dtype) if bias is None else bias.clone()
+    bad_bias[0] = float("nan")
+    for what, xb in (("x", (bad_x, bias)), ("the bias", (x, bad_bias))):
+        try:
+            _backend_linear(backend, xb[0], prepared, xb[1], p.out_dtype, p.recipe.activation, None)
+        except ValueError:
+            continue
+        raise ContractViolation(f"declares rejects_non_finite, but linear() with NaN in {what} did not raise "
+                                "ValueError")
+    return 0.0
+

@@ -24,6 +24,7 @@ from .common import (
     _require,
     _same_bits,
 )
+from .given import GivenGemm
 from .problems import GemmProblem
 
 
@@ -44,7 +45,7 @@ def _gemm_ref(p: GemmProblem):
 def check_scaled_mm_bound(backend: Backend, p: GemmProblem) -> float:
     _require(backend, p.case())
     a, b, bias, y64 = _gemm_ref(p)
-    y = _mm(backend, a, b, bias, p.out_dtype)
+    y = _mm(backend, a, b, bias, p.out_dtype, rows=p.call_rows if isinstance(p, GivenGemm) else None)
     bound = _cached(("gemm_bound", p, backend.accumulation, backend.output_roundings), lambda: gemm_error_bound(
         a, b, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
         output_roundings=backend.output_roundings, y_ref=y64))

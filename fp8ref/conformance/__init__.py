@@ -11,16 +11,19 @@ fixture. See docs/conformance.md.
 
 What lives where, from the bottom up: ``profiles`` (budgets, boundary sizes), ``scope`` (what a
 certificate claims), ``values`` (float values, FP8 codes and static scales by family) and
-``problems`` (problem descriptions built from them, and their machine-readable form), ``replay`` (a
+``problems`` (problem descriptions built from them, and their machine-readable form: both the
+checking core's, ``fp8ref.check``, re-exported), ``replay`` (a
 counterexample's exact tensors, reference and bound, as a standalone script), ``strategies``
 (Hypothesis strategies of problems), ``sweep`` (the corner sweep), ``probe``
-(``accumulator_bits``), ``contracts/`` (the table, one module of checks per op), ``coverage`` and
+(``accumulator_bits``), ``contracts/`` (the table, one module of checks per op: the quantize,
+scaled_mm and linear checks are the checking core's, ``fp8ref.check``, which the selector's probe
+runs too; the calling contract and the accumulator probe live here), ``coverage`` and
 ``report`` (what a report holds and how it prints), ``adaptation`` (how a peer's conventions and
 reproduce command reach the driver), ``reproduce`` (how a report names a backend and the call that
 reproduces a failure), ``driver`` (``check``, ``check_contract``), ``peers`` (the peers'
 tolerances, for docs/mutants.md). Imports flow one way, down that list: each module imports only
-the ones before it, the spec and the registry (``fp8ref.kernels`` only lazily, for
-``fp8ref.linear``); nothing here imports the CLI, the selector or ``fp8ref.peers``, which import
+the ones before it, the checking core, the spec and the registry (``fp8ref.kernels`` only lazily,
+for ``fp8ref.linear``); nothing here imports the CLI, the selector or ``fp8ref.peers``, which import
 this package.
 """
 

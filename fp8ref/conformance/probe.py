@@ -9,11 +9,21 @@ most half that (powers of two: a tie rounds to the even 2**16). The reading is t
 for which every delta >= 2**(17 - p) survived: 24 for fp32 accumulation, about 14 for Hopper's
 fast accumulation, 8 for bf16, and ``PROBE_MAX_BITS`` (the probe's range) for exact ones. The
 final value is a power of two, so the output rounding loses nothing and does not cap the reading.
+
+A backend that computes ``linear`` only (a layer that quantizes its inputs itself: it has no
+``scaled_mm`` to hand codes to) is read through ``linear`` on float operands built the same way
+with 448 (E4M3's max) in place of 256: every row's and tensor's amax is 448, so any scale rule
+``amax / 448`` (or ``1 / (448 / amax)``) gives scale 1 and every value is on the FP8 grid, so the
+quantization is exact and the accumulator alone decides. The large product is then
+``448**2 = 49 * 2**12``, whose ulp at p bits is ``2**(18 - p)`` (a tie at half of it rounds to the
+even multiple, ``448**2``), so a lost delta reads ``18 - log2(delta)``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -46,7 +56,8 @@ def _operands(recipe, K: int):
             Quantized(b.to(qw.format.torch_dtype), torch.ones(qw.scale_shape(_N, K), dtype=qw.scale_dtype), qw))
 
 
-def accumulator_bits(backend: Backend, device: str = "cpu") -> int | None:
+def accumulator_bits(backend: Backend, device: str = "cpu",
+                     map_problem: Callable[[Any], Any] | None = None) -> int | None:
     """Estimate the significand bits the backend's accumulator keeps (see the module docstring).
 
     Parameters
@@ -54,6 +65,9 @@ def accumulator_bits(backend: Backend, device: str = "cpu") -> int | None:
     backend : Backend
     device : str
         Where the operands live.
+    map_problem : callable, optional
+        For a linear-only backend: its conventions mapped into the probe's recipe (a peer's
+        ``map_problem``, ``fp8ref.conformance.adaptation.Adaptation``), so that it takes the case.
 
     Returns
     -------
@@ -68,6 +82,8 @@ def accumulator_bits(backend: Backend, device: str = "cpu") -> int | None:
     >>> accumulator_bits(get_backend("reference"))
     35
     """
+    if "scaled_mm" not in backend.ops and "linear" in backend.ops:
+        return _linear_bits(backend, device, map_problem)
     for K in _KS:
         for recipe in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK):
             for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -95,4 +111,50 @@ def _read(backend: Backend, recipe, out_dtype: torch.dtype, rows: int, device: s
             delta = c * d
             if float(y[m, n]) != delta:
                 lost.append(int(17 - math.log2(delta)))
+    return min(lost) - 1 if lost else PROBE_MAX_BITS
+
+
+_L_LINEAR = 448.0  # E4M3's max: scale 1 under every amax / 448 rule
+
+
+def _linear_bits(backend: Backend, device: str, map_problem: Callable[[Any], Any] | None) -> int | None:
+    """The reading through ``linear`` for a backend without ``scaled_mm`` (module docstring)."""
+    from .problems import LinearProblem, TensorSpec
+
+    for K in _KS:
+        for base in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for out_dtype in dict.fromkeys((torch.float32, dtype)):
+                    p = LinearProblem(_M, _N, K, base, dtype, out_dtype, TensorSpec(), TensorSpec())
+                    recipe = (p if map_problem is None else map_problem(p)).recipe
+                    case = Case(_M, _N, K, recipe, dtype, out_dtype, device=device)
+                    if decline_reason(backend, case) is None:
+                        return _read_linear(backend, recipe, dtype, out_dtype, device, K)
+    return None
+
+
+def _read_linear(backend: Backend, recipe, dtype: torch.dtype, out_dtype: torch.dtype, device: str, K: int) -> int:
+    from ..spec.quant import quantize
+
+    x = torch.zeros(_M, K, dtype=torch.float64)
+    for m, c in enumerate(_C):
+        x[m, 0], x[m, 1], x[m, K - 1] = _L_LINEAR, c, -_L_LINEAR
+    for m in range(len(_C), _M):  # every row's amax is 448 (per-row and per-group scales 1)
+        x[m, 0], x[m, K - 1] = _L_LINEAR, -_L_LINEAR
+    w = torch.zeros(_N, K, dtype=torch.float64)
+    for n in range(_N):
+        w[n, 0], w[n, K - 1] = _L_LINEAR, _L_LINEAR
+    for n, d in enumerate(_D):
+        w[n, 1] = d
+    x, w = x.to(dtype).to(device), w.to(dtype).to(device)
+    prepared = backend.prepare_weight(w if backend.float_weight else quantize(w, recipe.weight))
+    y = backend.linear(x, prepared, None, out_dtype, recipe.activation).to(torch.float64).cpu()
+    lost = []
+    for m, c in enumerate(_C):
+        for n, d in enumerate(_D):
+            delta = c * d
+            if delta > torch.finfo(out_dtype).max:  # 2**16 past fp16's range: that delta reads nothing
+                continue
+            if float(y[m, n]) != delta:
+                lost.append(int(18 - math.log2(delta)))
     return min(lost) - 1 if lost else PROBE_MAX_BITS

@@ -40,6 +40,7 @@ PEER_MODULES = (
     "fp8ref.peers.quark",
     "fp8ref.peers.openvino",
     "fp8ref.peers.lmdeploy",
+    "fp8ref.peers.keras_fp8",
 )
 
 _PEERS: list[Peer] | None = None

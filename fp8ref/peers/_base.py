@@ -91,6 +91,9 @@ class Peer(Backend):
         Modules imported on first use; ``available()`` names the first that fails.
     version : str or None
         The installed version of ``distribution`` (None: not installed).
+    recipes : tuple of Recipe or None
+        The recipes its certificate claims (``fp8ref.conformance.check``'s ``schemes``), for a layer
+        that computes one recipe only: the contracts draw only these. None (default): every recipe.
     """
 
     project: str = ""
@@ -98,6 +101,7 @@ class Peer(Backend):
     entry: str = ""
     notes: str = ""
     modules: tuple[str, ...] = ()
+    recipes: tuple[Recipe, ...] | None = None
 
     @property
     def version(self) -> str | None:  # type: ignore[override]

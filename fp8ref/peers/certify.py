@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -90,7 +90,7 @@ def run_contracts(peer: Peer, profile="ci", seed: int | None = None, contracts: 
     and its special values need the library's declared ``NonFinite``, which no adapter states yet."""
     if contracts is None:
         contracts = tuple(c.name for c in CONTRACTS if c.name not in CALLING_CONTRACT_NAMES)
-    return check(peer, profile, seed, contracts=contracts, known_failures=known_failures,
+    return check(peer, profile, seed, contracts=contracts, known_failures=known_failures, schemes=peer.recipes,
                  adapt=adaptation(peer), on_contract=on_contract)
 
 
@@ -192,7 +192,35 @@ def expressible(peer: Peer) -> str:
             outs = [_DT[d] for d in _X_DTYPES if any(od == d for _, od, _ in acc)]
             bias = "bias" if any(b for _, _, b in acc) else "no bias"
             parts.append(f"GEMM: {', '.join(recipes)}; out {', '.join(outs)}; {bias}")
+    if peer.ops == ("linear",):
+        acc = _accepted_linear(peer)
+        if not acc:
+            parts.append("none of the candidate recipes")
+        else:
+            recipes = sorted({p.recipe.name for p in acc})
+            xs = [_DT[d] for d in _X_DTYPES if any(p.x_dtype == d for p in acc)]
+            outs = [_DT[d] for d in _X_DTYPES if any(p.out_dtype == d for p in acc)]
+            conv = sorted({c for p in acc for s in (p.recipe.weight, p.recipe.activation) for c in _conventions(s)})
+            bias = "bias" if any(p.has_bias for p in acc) else "no bias"
+            parts.append(f"linear: {', '.join(recipes)}; x {', '.join(xs)}; out {', '.join(outs)}; {bias}"
+                         + (f"; conventions: {', '.join(conv)}" if conv else ""))
     return " / ".join(parts)
+
+
+def _accepted_linear(peer: Peer, M: int = 32, N: int = 128, K: int = 256,
+                     specs: tuple[fst.TensorSpec, fst.TensorSpec] = (fst.TensorSpec(), fst.TensorSpec())
+                     ) -> list[fst.LinearProblem]:
+    """The linear problems (candidate recipe x input dtype x output dtype x bias) a linear-only peer
+    takes, its conventions applied."""
+    out = []
+    for base in _candidate_recipes():
+        for dt in _X_DTYPES:
+            for od in _X_DTYPES:
+                for bias in (False, True):
+                    p = peer.map_problem(fst.LinearProblem(M, N, K, base, dt, od, *specs, has_bias=bias))
+                    if decline_reason(peer, p.case()) is None:
+                        out.append(p)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,8 +262,10 @@ def bit_exactness(peer: Peer, budget_s: float = 60.0) -> tuple[str, float | None
         if not tot_c:
             return "codes, scales", None, None, None, 0
         return "codes, scales", 100 * same_c / tot_c, 100 * same_s / tot_s, None, tot_c
-    same = tot = 0
     M, N, K = (16, 32, 256) if peer.conformance_max_elems else (32, 128, 256)
+    if peer.ops == ("linear",):
+        return _linear_bit_exactness(peer, M, N, K, t0, budget_s)
+    same = tot = 0
     for recipe, od, bias in _accepted_gemm(peer):
         if time.perf_counter() - t0 > budget_s:
             break
@@ -248,6 +278,29 @@ def bit_exactness(peer: Peer, budget_s: float = 60.0) -> tuple[str, float | None
             except Exception:
                 continue
             ref = gemm.scaled_mm(a, b, bv, od)
+            same += int((_bits(y) == _bits(ref)).sum())
+            tot += ref.numel()
+    if not tot:
+        return "outputs", None, None, None, 0
+    return "outputs", None, None, 100 * same / tot, tot
+
+
+def _linear_bit_exactness(peer: Peer, M: int, N: int, K: int, t0: float, budget_s: float):
+    """A linear-only peer's outputs against the reference linear (the spec's quantization of x and w,
+    then its scaled_mm) on normal, outlier and heavy-tailed inputs."""
+    same = tot = 0
+    for base in _accepted_linear(peer, M, N, K):
+        for fam, exp in (("normal", 0), ("outliers", 0), ("heavy", -4)):
+            if time.perf_counter() - t0 > budget_s:
+                break
+            p = replace(base, x=fst.TensorSpec(fam, exp, 7), w=fst.TensorSpec(fam, exp, 8))
+            x, w, bias = p.build()
+            try:
+                y = peer.linear(x, peer.prepare_weight(w), bias, p.out_dtype, p.recipe.activation)
+            except Exception:
+                continue
+            qx, qw = quant.quantize(x, p.recipe.activation), quant.quantize(w, p.recipe.weight)
+            ref = gemm.scaled_mm(qx, qw, bias, p.out_dtype)
             same += int((_bits(y) == _bits(ref)).sum())
             tot += ref.numel()
     if not tot:
@@ -293,6 +346,8 @@ def non_finite_behaviour(peer: Peer) -> str:
             codes = _describe(q.data[i].to(torch.float32))
             rows.append(f"{what}: scale {_describe(q.scale[r0:r1])}, codes {codes}")
         return f"[{scheme.short_str()}, {_DT[dt]}] " + "; ".join(rows)
+    if peer.ops == ("linear",):
+        return _linear_non_finite(peer)
     for recipe, od, _ in _accepted_gemm(peer):
         fmt = recipe.activation.format
         if not fmt.nan_codes:
@@ -309,6 +364,24 @@ def non_finite_behaviour(peer: Peer) -> str:
         row0, rest = int(torch.isnan(y[0].float()).sum()), int(torch.isnan(y[1:].float()).sum())
         return f"NaN code at a[0,0] ({recipe.name}): {row0}/{y.shape[1]} NaN in row 0, {rest} NaN elsewhere"
     return "n/a"
+
+
+def _linear_non_finite(peer: Peer) -> str:
+    """A linear-only peer's output rows for one NaN in row 0 and one +Inf in row 2 of x [4, 128]."""
+    acc = sorted(_accepted_linear(peer, 4, 16, 128), key=lambda p: (p.has_bias, p.x_dtype != torch.bfloat16))
+    if not acc:
+        return "n/a"
+    p = acc[0]
+    x, w, bias = p.build()
+    x = x.clone()
+    x[0, 3] = float("nan")
+    x[2, 5] = float("inf")
+    try:
+        y = peer.linear(x, peer.prepare_weight(w), bias, p.out_dtype, p.recipe.activation)
+    except Exception as exc:
+        return f"raises {type(exc).__name__}"
+    rows = [f"{what}: y {_describe(y[i])}" for i, what in ((0, "NaN row"), (2, "Inf row"), (1, "clean row"))]
+    return f"[{p.recipe.name}, x {_DT[p.x_dtype]}] " + "; ".join(rows)
 
 
 # ------------------------------------------------------------------------------------------------

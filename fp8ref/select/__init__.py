@@ -9,14 +9,14 @@ time.
 
 One module per job; this face re-exports the public names. Inside, imports flow from ``keys``,
 ``decision`` and ``inputs`` to ``timing``, ``compliance`` and ``cache``, and from all of them to
-``selector``. The package imports the spec and the registry, never a backend module or anything
-above it; ``fp8ref.api`` (``fp8ref.linear``) imports it.
+``selector``. The package imports the spec, the registry and the checking core (``fp8ref.check``),
+never a backend module or anything above it; ``fp8ref.api`` (``fp8ref.linear``) imports it.
 
 - ``keys``: the cache key (M bucket, device name, versions, candidates' declarations);
 - ``decision``: ``Decision``, ``Row``, ``ProbeResult`` and the two errors;
 - ``inputs``: the probe's random and adversarial rows;
-- ``compliance``: the probe itself (``probe``), judging every result through ``fp8ref.spec.compare``
-  and ``fp8ref.spec.bounds`` (the comparison and tolerance rules the conformance contracts use);
+- ``compliance``: the probe itself (``probe``): the conformance contracts' own checks
+  (``fp8ref.check.probe.PROBE_CHECKS``) on its problems; it compares nothing itself;
 - ``timing``: medians, the interleaved run-off, the selector's clock;
 - ``cache``: memory, disk and run-time failure marks;
 - ``selector``: candidates, the selection run, ``select`` and ``resolve``;

@@ -1,23 +1,25 @@
-"""The compliance probe: a backend against the spec's bounds at one case's shape, before it may be timed.
+"""The compliance probe: a backend through the conformance contracts' checks at one case's shape,
+before it may be timed.
 
-``ProbeSet`` builds the inputs (``inputs.adversarial``) and the reference's side of every check
-once per case, shared by all candidates; ``probe`` runs one backend through them. A backend that
-fails the probe is never chosen, however fast.
+``ProbeSet`` builds the problems once per case (adversarial rows from ``inputs.adversarial`` at
+the shapes of ``probe_shapes``, as given problems of ``fp8ref.check.given``), shared by all
+candidates, whose memos keep the reference's side; ``probe`` runs one backend through the
+checking core's list ``fp8ref.check.probe.PROBE_CHECKS`` -- the contracts' own check functions,
+so "compliant" means what a conformance certificate means, on fewer inputs. Nothing here compares
+or bounds anything. A backend that fails the probe is never chosen, however fast.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
+from ..check.common import ContractViolation, Declined, backend_device
+from ..check.given import GivenGemm, GivenLinear, GivenQuantize
+from ..check.probe import PROBE_CHECKS, ProbeCheck
 from ..registry import Backend, Case
-from ..spec import bounds
-from ..spec.compare import compare, compare_bits
-from ..spec.gemm import scaled_mm
-from ..spec.quant import Quantized, dequantize, quantize
-from ..spec.schemes import Granularity, QuantScheme
+from ..spec.quant import Quantized, quantize
 from . import timing
 from .decision import ProbeResult
 from .inputs import adversarial
@@ -41,39 +43,10 @@ def probe_shapes(case: Case) -> tuple[int, int]:
     return mp, n_probe
 
 
-def _check_quantized(q: Any, x: torch.Tensor, scheme: QuantScheme) -> tuple[float, str]:
-    """Worst ratio of the backend's activation quantization against the spec (inf on a
-    structural violation), and where: the scale within ``bounds.scale_error_bound``, the codes
-    within ``bounds.conforming_quantization_error_bound`` of the spec's quantization, both judged by
-    ``fp8ref.spec.compare``."""
-    if not isinstance(q, Quantized):
-        return math.inf, f"quantize returned {type(q).__name__}, not Quantized"
-    if q.scheme != scheme:
-        return math.inf, f"quantize returned scheme {q.scheme.short_str()}, asked {scheme.short_str()}"
-    if tuple(q.data.shape) != tuple(x.shape):
-        return math.inf, f"quantize returned data {tuple(q.data.shape)} for x {tuple(x.shape)}"
-    ref = quantize(x, scheme)
-    scale = compare("quantize scale vs reference", q.scale, ref.scale, bounds.scale_error_bound(ref.scale, scheme))
-    if not scale.ok:
-        return scale.ratio, scale.message()
-    qc = Quantized(q.data.cpu(), q.scale.cpu(), q.scheme)
-    # The codes' bound is the spec's (from its scale), never one computed from the scale the
-    # backend returned: a scale that clips is measured against the spec's (docs/spec.md §5.1).
-    codes = compare("quantize codes: dequantized vs x", dequantize(qc, torch.float64), x.cpu(),
-                    bounds.conforming_quantization_error_bound(
-                        x.cpu(), Quantized(ref.data.cpu(), ref.scale.cpu(), ref.scheme)))
-    worst = max(scale, codes, key=lambda v: v.ratio)
-    return worst.ratio, worst.message()
-
-
-def _ratio(y: Any, y_ref: torch.Tensor, bound: torch.Tensor, out_dtype: torch.dtype, what: str) -> tuple[float, str]:
-    v = compare(what, y, y_ref, bound, dtype=out_dtype)
-    return v.ratio, v.message()
-
-
 class ProbeSet:
-    """The probe's inputs and the reference's side of every check, built once per case and shared
-    by all the candidates (the bounds cost far more than a backend call)."""
+    """The probe's inputs and problems, built once per case and shared by all the candidates: the
+    problems' memos keep the reference's side of every check (the bounds cost far more than a
+    backend call)."""
 
     def __init__(self, case: Case, seed: int = 0):
         self.case = case
@@ -93,95 +66,56 @@ class ProbeSet:
         self.bias = torch.randn(self.n_probe, generator=gen).to(case.x_dtype) if case.has_bias else None
         self.qw = quantize(self.w, recipe.weight)
         self.chunks = [(r0, min(r0 + self.mp, PROBE_ROWS)) for r0 in range(0, PROBE_ROWS, self.mp)]
-        act = recipe.activation
-        # Row-independent activation scales: the 16 rows quantized together equal the chunks
-        # quantized apart, so the reference side is computed once on all rows.
-        self.row_independent = act.granularity in (Granularity.ROW, Granularity.GROUP) or (
-            act.granularity is Granularity.BLOCK and act.block[0] == 1)
-        self.qa_ref = [quantize(self.x[a:b], act) for a, b in self.chunks]
-        self._bounds: dict[tuple, torch.Tensor] = {}
-        self._y_ref: dict[int, torch.Tensor] = {}
-
-    def reference_side(self, i: int | None, qa: Quantized, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y_ref float64, gemm bound) for activations ``qa``; memoised when ``qa`` is the reference's."""
-        key = (i, backend.accumulation, backend.output_roundings)
-        if i is not None and key in self._bounds:
-            return self._y_ref[i], self._bounds[key]
-        y_ref = self._y_ref.get(i) if i is not None else None
-        if y_ref is None:
-            y_ref = scaled_mm(qa, self.qw, self.bias, out_dtype=torch.float64)
-        gb = bounds.gemm_error_bound(qa, self.qw, self.bias, out_dtype=self.case.out_dtype,
-                                     accumulation=backend.accumulation, output_roundings=backend.output_roundings,
-                                     y_ref=y_ref)
-        if i is not None:
-            self._y_ref[i], self._bounds[key] = y_ref, gb
-        return y_ref, gb
-
-
-def _same_output(y_lin: Any, y: Any, rows: tuple[int, int]) -> tuple[float, str]:
-    """``Backend.linear`` must return what ``scaled_mm(quantize(x))`` returns, bit for bit."""
-    if not isinstance(y_lin, torch.Tensor) or not isinstance(y, torch.Tensor):
-        return 0.0, ""  # a non-tensor y is reported by the scaled_mm check
-    v = compare_bits(f"linear() vs scaled_mm(quantize()) on rows {rows}", y_lin, y)
-    return v.ratio, v.message()
-
-
-def _refuses_non_finite(backend: Backend, x: torch.Tensor, prepared: Any, N: int, bias: torch.Tensor | None,
-                        od: torch.dtype, act: QuantScheme) -> tuple[float, str]:
-    """A backend declaring ``rejects_non_finite`` must raise ``ValueError`` for NaN in x and in the
-    bias, as the spec does (``fp8ref.linear`` then skips its own scans): inf and why if it does not."""
-    bad_x = x.clone()
-    bad_x[0, 0] = float("nan")
-    bad_bias = torch.zeros(N, dtype=x.dtype, device=x.device) if bias is None else bias.clone()
-    bad_bias[0] = float("nan")
-    for what, args in (("x", (bad_x, prepared, bias, od, act)), ("bias", (x, prepared, bad_bias, od, act))):
-        try:
-            backend.linear(*args)
-        except ValueError:
-            continue
-        return math.inf, f"declares rejects_non_finite, but linear() with NaN in {what} did not raise ValueError"
-    return 0.0, ""
-
-
-def _cat(qs: list[Quantized]) -> Quantized:
-    return Quantized(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]), qs[0].scheme)
-
-
-def _same(a: Quantized, b: Quantized) -> bool:
-    return a.scheme == b.scheme and compare_bits("scale", a.scale, b.scale).ok and compare_bits(
-        "codes", a.data, b.data).ok
+        act, dev = recipe.activation, case.device
+        # One problem per op and chunk; their memos keep the reference's side (results, bounds per
+        # declared accumulation) for every candidate probed with this set.
+        self.problems: list[dict[str, GivenQuantize | GivenGemm | GivenLinear]] = [{
+            "quantize": GivenQuantize(x=self.x[a:b], scheme=act, device=dev),
+            "linear": GivenLinear(x=self.x[a:b], w=self.w, bias=self.bias, recipe=recipe, out_dtype=case.out_dtype,
+                                  device=dev, qw=self.qw),
+        } for a, b in self.chunks]
+        # The GEMM's operands are given quantized, so one problem holds all the rows (the spec's
+        # quantization of the 16 rows together) and the backend is called on the same chunks.
+        self.whole: dict[str, GivenGemm] = {"scaled_mm": GivenGemm(
+            a=quantize(self.x, act), b=self.qw, bias=self.bias, recipe=recipe, out_dtype=case.out_dtype,
+            x_dtype=case.x_dtype, device=dev, call_rows=self.mp)}
 
 
 def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None = None) -> ProbeResult:
-    """Check ``backend`` against the spec's bounds at ``case``'s shape, on random plus adversarial
-    inputs, and time its calls.
+    """Run ``backend`` through the conformance contracts' checks listed in
+    ``fp8ref.check.probe.PROBE_CHECKS`` at ``case``'s shape, on random plus adversarial inputs, and
+    time one warm call.
 
-    Checks 1 and 2 are elementwise against a bound of ``fp8ref.spec.bounds``, whose sum is the
-    end-to-end contract (``linear_error_bound`` is built from exactly these two terms):
+    The checks, each the contract of that name (``fp8ref conformance`` runs the same functions on
+    its own problems; ``docs/selection.md``):
 
-    1. ``backend.quantize`` of the activations: scales within ``scale_error_bound`` of the
-       reference's (one step of ``scale_dtype``: a faithful rounding of ``amax / qmax``), and
-       ``|deq(q) - x| <= conforming_quantization_error_bound(x, quantize(x))`` (the spec's scale);
-    2. ``backend.scaled_mm`` of *its own* quantized activations and the (prepared) reference-
-       quantized weight, against the reference's scaled_mm of the same operands, within
-       ``gemm_error_bound`` for the backend's declared accumulation and output roundings;
-    3. ``backend.linear`` (the fused hook ``fp8ref.linear`` runs) returns the same bits as the
-       two calls of 1 and 2;
-    4. a backend that declares ``rejects_non_finite`` raises ``ValueError`` for NaN in x and in
-       the bias.
+    1. ``quantize.scale`` and ``quantize.codes``: ``backend.quantize`` of the activations, the
+       scale within ``scale_error_bound`` of the spec's and the codes within
+       ``conforming_quantization_error_bound`` of x (from the spec's scale);
+    2. ``scaled_mm.bound``: ``backend.scaled_mm`` of the spec's quantized activations and
+       weight, within ``gemm_error_bound`` for the backend's declared accumulation and output
+       roundings;
+    3. ``linear.matches_two_calls``: ``backend.linear`` (the hook ``fp8ref.linear`` runs) returns
+       the bits of ``scaled_mm(quantize(x))``;
+    4. ``linear.bound``, for a backend with a fused ``linear`` of its own: within
+       ``linear_error_bound`` of the float64 linear of the unquantized inputs (through the
+       backend's own hook: ``fp8ref.linear`` is what is being selected for);
+    5. ``linear.non_finite``, for a backend declaring ``rejects_non_finite``: NaN in x and in the
+       bias raise ``ValueError``.
 
     Inputs: 16 activation rows (outlier channels, an all-zero row, rounding ties, huge dynamic
     range, a constant row, a single non-zero, +-qmax, random), fed in chunks of
     ``min(bucket(M), 16)`` rows so the backend runs at the bucket's own small M; a weight with
     outlier, all-zero and tie rows; a bias if the case has one. K is the case's K; N is the
-    case's N up to 512, else ``256 + N % 256``.
-
-    Every comparison is ``fp8ref.spec.compare`` (the one the conformance contracts make).
+    case's N up to 512, else ``256 + N % 256``. The probe stops at the first violation; a check
+    that applies and is declined fails the probe (it cannot vouch for what it did not run).
 
     Returns
     -------
     ProbeResult
-        ``compliant`` is True when every ratio error/bound is <= 1 and nothing raised.
+        ``compliant`` is True when every check held and nothing raised; ``ratios`` holds each
+        check's worst error/bound by contract name, ``detail`` where the worst ratio or the
+        violation was.
 
     Examples
     --------
@@ -192,61 +126,55 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
     True
     """
     ps = ProbeSet(case, seed) if _set is None else _set
-    od, act, dev = case.out_dtype, case.recipe.activation, case.device
-    worst = {"quantize": 0.0, "scaled_mm": 0.0}
-    where = {k: "" for k in worst}
     elements = ps.mp * ps.n_probe
-
-    def note(check: str, ratio_where: tuple[float, str]) -> None:
-        if ratio_where[0] > worst[check] or not where[check]:
-            worst[check], where[check] = ratio_where
-
-    warm_t = math.inf
+    checks = [c for c in PROBE_CHECKS if c.applies(backend)]
+    ratios: dict[str, float] = {}
+    worst, detail = 0.0, ""
     try:
-        prepared = backend.prepare_weight(_to_device(ps.qw, dev))
-        bias_d = None if ps.bias is None else ps.bias.to(dev)
-        qas, ys = [], []
-        for a, b in ps.chunks:
-            xc_d = ps.x[a:b].to(dev)
-            qa = backend.quantize(xc_d, act)
-            y = backend.scaled_mm(qa, prepared, bias_d, od)
-            note("quantize", _check_quantized(qa, ps.x[a:b], act))
-            if worst["quantize"] > 1.0:  # a wrong scale or code: the GEMM checks would only echo it
-                break
-            note("scaled_mm", _same_output(backend.linear(xc_d, prepared, bias_d, od, act), y, (a, b)))
-            qas.append(Quantized(qa.data.cpu(), qa.scale.cpu(), qa.scheme))
-            ys.append(y.detach().cpu() if isinstance(y, torch.Tensor) else y)
-        # One more call, warm (a first call may compile or autotune): the basis of the estimate
-        # that lets the timing skip backends that cannot win.
-        xc_d = ps.x[ps.chunks[0][0]:ps.chunks[0][1]].to(dev)
-        timing.sync(dev)
+        with backend_device(case.device):
+            for c in checks:
+                failed = False
+                runs = (list(zip(ps.chunks, ps.problems, strict=True)) if c.rows == "each"
+                        else [((0, PROBE_ROWS), ps.whole)] if c.rows == "all" else [(ps.chunks[0], ps.problems[0])])
+                for rows, problems in runs:
+                    ratio, failure = _run(c, backend, problems[c.op])
+                    ratio = math.inf if failure and ratio <= 1.0 else ratio
+                    ratios[c.name] = max(ratios.get(c.name, 0.0), ratio)
+                    where = f"{c.name} on rows {rows[0]}:{rows[1]}"
+                    if (failure and not failed) or ratio > worst:
+                        worst = ratio
+                        detail = f"{where}: {failure}" if failure else f"worst: {where}, error/bound {ratio:.3g}"
+                    failed = failed or bool(failure)
+                # The first check violated decides (at its worst chunk): later ones would judge its echo.
+                if failed:
+                    return ProbeResult(False, worst, detail, math.inf, elements, ratios)
+        # One more call, warm (the checks' calls compiled or autotuned it): the basis of the
+        # estimate that lets the timing skip backends that cannot win.
+        prepared = backend.prepare_weight(_to_device(ps.qw, case.device))
+        bias_d = None if ps.bias is None else ps.bias.to(case.device)
+        xc_d = ps.x[ps.chunks[0][0]:ps.chunks[0][1]].to(case.device)
+        timing.sync(case.device)
         t0 = timing.clock()
-        backend.linear(xc_d, prepared, bias_d, od, act)
-        timing.sync(dev)
+        backend.linear(xc_d, prepared, bias_d, case.out_dtype, case.recipe.activation)
+        timing.sync(case.device)
         warm_t = timing.clock() - t0
-        if backend.rejects_non_finite:
-            note("quantize", _refuses_non_finite(backend, xc_d, prepared, ps.n_probe, bias_d, od, act))
-        if worst["quantize"] <= 1.0:
-            bad = next((y for y in ys if not isinstance(y, torch.Tensor) or y.dim() != 2), None)
-            if bad is not None:
-                note("scaled_mm", (math.inf, f"scaled_mm returned {type(bad).__name__} "
-                                             f"{tuple(getattr(bad, 'shape', ()))}"))
-            elif ps.row_independent:
-                qa_all = _cat(qas)
-                same = all(_same(q, r) for q, r in zip(qas, ps.qa_ref, strict=True))
-                y_ref, gb = ps.reference_side(-1 if same else None, qa_all if not same else _cat(ps.qa_ref),
-                                              backend)
-                note("scaled_mm", _ratio(torch.cat(ys), y_ref, gb, od, "scaled_mm"))
-            else:
-                for i, (qa, y) in enumerate(zip(qas, ys, strict=True)):
-                    same = _same(qa, ps.qa_ref[i])
-                    y_ref, gb = ps.reference_side(i if same else None, qa, backend)
-                    note("scaled_mm", _ratio(y, y_ref, gb, od, f"scaled_mm (rows {ps.chunks[i]})"))
     except Exception as exc:  # a backend that raises on valid input at its own declared case fails
         return ProbeResult(False, math.inf, f"raised {type(exc).__name__}: {exc}", math.inf, elements,
-                           {k: math.inf for k in worst})
-    top = max(worst, key=worst.get)
-    return ProbeResult(worst[top] <= 1.0, worst[top], where[top], warm_t, elements, worst)
+                           {c.name: math.inf for c in checks})
+    return ProbeResult(True, worst, detail, warm_t, elements, ratios)
+
+
+def _run(c: ProbeCheck, backend: Backend, problem) -> tuple[float, str]:
+    """``(ratio, "")`` when ``c`` holds on ``problem``; ``(ratio, why)`` when it does not (a
+    violation's ratio, inf for a structural one; a check that applies and is declined fails: the
+    probe cannot vouch for what it did not run)."""
+    try:
+        ratio = c.check(backend, problem)
+    except ContractViolation as exc:
+        return (math.inf if exc.ratio is None else exc.ratio), str(exc)
+    except Declined as exc:
+        return math.inf, f"declined the probe's problem: {exc}"
+    return (0.0 if ratio is None else ratio), ""
 
 
 def _to_device(q: Quantized, device: str) -> Quantized:

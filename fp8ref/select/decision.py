@@ -31,7 +31,8 @@ class Row:
     admitted: bool = False  #: its precision class meets the requirement
     compliant: bool | None = None  #: None when not probed
     worst_ratio: float | None = None  #: max over the probe of error / bound (<= 1 to comply)
-    ratios: dict[str, float] = field(default_factory=dict)  #: worst ratio per check
+    #: worst ratio per check of the probe, by contract name (``quantize.codes``, ``scaled_mm.bound``, ...)
+    ratios: dict[str, float] = field(default_factory=dict)
     detail: str = ""  #: where the worst ratio came from, or the probe's failure
     estimate_s: float | None = None  #: full-shape time extrapolated from the probe's calls
     median_s: float | None = None
@@ -50,6 +51,13 @@ class Row:
         if self.compliant is None:
             return "not probed"
         return "compliant" if self.compliant else "NON-COMPLIANT"
+
+
+def _op_ratio(ratios: dict[str, float], ops: tuple[str, ...]) -> float:
+    """The worst of ``ratios`` over the checks of ``ops`` (a check is named ``op.property``; a
+    decision cached before the probe ran the contracts is keyed by the op alone); NaN if none ran."""
+    hits = [v for k, v in ratios.items() if k.split(".")[0] in ops]
+    return max(hits) if hits else math.nan
 
 
 @dataclass
@@ -85,7 +93,7 @@ class Decision:
         lines = [f"case {self.case}  precision>={self.precision}  (source: {self.source}, "
                  f"selection took {self.seconds:.2f} s)", head, "-" * len(head)]
         for r in self.rows:
-            ratio = "/".join(f"{r.ratios.get(k, math.nan):.2g}" for k in ("quantize", "scaled_mm")) \
+            ratio = "/".join(f"{_op_ratio(r.ratios, ops):.2g}" for ops in (("quantize",), ("scaled_mm", "linear"))) \
                 if r.ratios else ("" if r.worst_ratio is None else f"{r.worst_ratio:.3g}")
             med = f"{r.median_s * 1e3:.3f} ms" if r.median_s is not None else ("-" if r.compliant else "")
             # A long reason is printed whole: its first words in the column, the rest below it.
@@ -117,4 +125,4 @@ class ProbeResult:
     detail: str
     call_seconds: float  #: time of one warm ``Backend.linear`` call at the probe's shape
     call_elements: int  #: M * N of one such call
-    ratios: dict[str, float] = field(default_factory=dict)  #: worst error/bound per check
+    ratios: dict[str, float] = field(default_factory=dict)  #: worst error/bound per check, by contract name

@@ -1,7 +1,8 @@
 """What a decision is keyed on: the M bucket, the hardware, the versions and the candidates' declarations.
 
 The key holds everything that changes the answer: device name and thread count, torch / triton /
-fp8ref versions, the candidate backends and their declarations (availability included), x and
+fp8ref versions, the probe's list of contracts (``PROBE_REVISION``), the candidate backends and
+their declarations (availability included), x and
 output dtypes, bias or not, ``recipe.short_str()``, N, K, the M bucket and the required precision
 class.
 """
@@ -15,6 +16,7 @@ from importlib import metadata
 import torch
 
 from .._machine import cpu_model
+from ..check.probe import PROBE_REVISION
 from ..registry import Backend, Case
 from ..spec.bounds import PrecisionClass
 
@@ -90,6 +92,7 @@ def selection_key(case: Case, precision: str, candidates: list[Backend]) -> str:
         f"torch={torch.__version__}",
         f"triton={_dist_version('triton')}",
         f"fp8ref={fp8ref_version()}",
+        f"probe={PROBE_REVISION}",
         f"x={str(case.x_dtype)[6:]}",
         f"out={str(case.out_dtype)[6:]}",
         "bias" if case.has_bias else "nobias",

@@ -81,6 +81,9 @@ class _Op:
             if not isinstance(q, Quantized):
                 raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
             return {"data": q.data, "scale": q.scale}
+        if backend.float_weight:
+            raise Declined(f"premise: backend {backend.name!r} takes the float weight (float_weight); the calling "
+                           "contract hands prepare_weight the spec's quantized weight")
         w = weight if weight is not None else self.weight(args)
         prepared = backend.prepare_weight(w)
         if prepared_hook is not None:
