@@ -239,7 +239,7 @@ class _Run:
     def _sweep(self) -> None:
         scope = self.scope
         problems = [e for e in self.contract.examples if _in_scope(e, scope)] + _op_sweep(
-            self.backend, self.contract, self.prof, self.seed, scope)
+            self.backend, self.contract, self.prof, self.seed, scope, self.adapt)
         for problem in problems:
             try:
                 self.run_one(problem)
@@ -339,11 +339,13 @@ def _in_scope(problem, scope: Scope) -> bool:
 _SWEEPS: OrderedDict = OrderedDict()
 
 
-def _op_sweep(backend: Backend, contract: Contract, prof: Profile, seed: int, scope: Scope) -> list:
-    key = (id(backend), type(backend).__qualname__, backend.name, contract.op, prof, seed, scope)
+def _op_sweep(backend: Backend, contract: Contract, prof: Profile, seed: int, scope: Scope,
+              adapt: Adaptation | None = None) -> list:
+    map_problem = adapt.map_problem if adapt is not None else None
+    key = (id(backend), type(backend).__qualname__, backend.name, contract.op, prof, seed, scope, map_problem)
     problems = _SWEEPS.get(key)
     if problems is None:
-        problems = corner_sweep(contract.op, prof, backend, seed, scope)
+        problems = corner_sweep(contract.op, prof, backend, seed, scope, map_problem)
         _SWEEPS[key] = problems
         if len(_SWEEPS) > 64:
             _SWEEPS.popitem(last=False)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -252,14 +253,20 @@ def _row_boundaries(p: Profile) -> Iterable[tuple[int, int, int, int, int]]:
                 yield (axis, i, R, n, k) if axis == 0 else (axis, i, n, R, k)
 
 
-def _pick(backend: Backend | None, candidates: Iterable) -> object | None:
-    """The first candidate the backend takes, else the first one (its decline is then recorded)."""
+def _pick(backend: Backend | None, candidates: Iterable,
+          map_problem: Callable[[Any], Any] | None = None) -> object | None:
+    """The first candidate the backend takes, else the first one (its decline is then recorded).
+
+    A candidate is judged as the check will run it: through ``map_problem`` (a peer's declared
+    conventions filled in, ``fp8ref.conformance.adaptation``), since a backend that takes only its
+    own conventions declines every unmapped candidate. The candidate itself is returned unmapped;
+    the adapted contract maps it."""
     cands = list(candidates)
     if not cands:
         return None
     if backend is not None:
         for c in cands:
-            if decline_reason(backend, c.case()) is None:
+            if decline_reason(backend, (c if map_problem is None else map_problem(c)).case()) is None:
                 return c
     return cands[0]
 
@@ -496,13 +503,14 @@ _ITEMS: dict[str, Callable] = {"quantize": _quantize_items, "scaled_mm": _gemm_i
 
 
 def corner_sweep(op: str, profile: Profile, backend: Backend | None = None, seed: int = 0,
-                 scope: Scope | None = None) -> list:
+                 scope: Scope | None = None, map_problem: Callable[[Any], Any] | None = None) -> list:
     """The sweep's problems for ``op`` ("quantize", "scaled_mm" or "linear") under ``profile``.
 
     With a ``backend``, each item becomes the first of its candidates (schemes, recipes, output
     dtypes in a rotation set by ``seed``) that the backend takes; an item it declines in every
     candidate keeps its first one (the driver records the decline). ``scope`` restricts the
-    schemes/recipes to a claim.
+    schemes/recipes to a claim. ``map_problem`` (a peer's conventions) is applied to a candidate
+    before asking the backend whether it takes it.
 
     Examples
     --------
@@ -518,7 +526,7 @@ def corner_sweep(op: str, profile: Profile, backend: Backend | None = None, seed
         raise ValueError(f"op must be one of {sorted(_ITEMS)}, got {op!r}") from None
     out = []
     for cands in items(profile, seed, scope):
-        chosen = _pick(backend, cands)
+        chosen = _pick(backend, cands, map_problem)
         if chosen is not None:
             out.append(chosen)
     return out
