@@ -7,7 +7,8 @@ tests/test_layout.py checks all three.
 
 - ``fp8ref.spec``: the spec (formats, schemes, the reference quantizer, the exact scaled GEMM,
   the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
-  helpers ``_machine`` (CPU detection), ``_io`` (atomic writes) and ``_progress`` (progress bars).
+  helpers ``_machine`` (CPU detection), ``_io`` (atomic writes), ``_progress`` (progress bars) and
+  ``_version`` (the package's version, which modules below this face read instead of the face).
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
 - ``fp8ref.check``: the checking core -- the conformance contracts' problems and checks (a
   backend and a problem in, the worst error/bound ratio or a located violation out), which the
@@ -33,6 +34,7 @@ tests/test_layout.py checks all three.
   ``fp8ref_certify`` fixture.
 """
 
+from ._version import __version__ as __version__  # re-exported: the package's version
 from .api import explain, linear, reference_linear
 from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
 from .nn import Fp8Linear, QuantizeSummary, quantize_model
@@ -77,8 +79,6 @@ from .spec.schemes import (
     Recipe,
     get_recipe,
 )
-
-__version__ = "0.1.0"
 
 #: Modules that moved when the tree was split by layer (fp8ref 0.1 layout): importing an old
 #: name still works, returns the new module and warns once (DeprecationWarning); it goes in 0.3.

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ._io import atomic_write
+from ._version import __version__
 from .nn import Fp8Linear
 from .spec.checks import check_codes, check_finite
 from .spec.formats import E4M3FN
@@ -261,8 +262,6 @@ def save_fp8_dynamic(model: nn.Module, path: str | os.PathLike) -> dict:
         seen.add((v.untyped_storage().data_ptr(), v.storage_offset()))
         tensors[k] = v
     cfg = compressed_tensors_config(ignore)
-    from . import __version__
-
     _atomic_save(tensors, Path(path), {"format": "pt", "quantization_config": json.dumps(cfg),
                                        "producer": f"fp8ref {__version__}"})
     return cfg

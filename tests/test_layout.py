@@ -73,7 +73,7 @@ CPU_NAMES_ALLOWED = {"fp8ref/_machine.py": "says which vendor, family and model 
 #: The areas of fp8ref from the bottom up: at module level an area imports only from itself and
 #: from areas of a lower rank. ``fp8ref`` is the face (``fp8ref/__init__.py``) alone.
 LAYERS = [
-    ("fp8ref.spec", "fp8ref._machine", "fp8ref._io", "fp8ref._progress"),
+    ("fp8ref.spec", "fp8ref._machine", "fp8ref._io", "fp8ref._progress", "fp8ref._version"),
     ("fp8ref.registry",),
     ("fp8ref.check",),
     ("fp8ref.kernels",),
@@ -596,3 +596,30 @@ def test_the_checking_core_imports_only_below_it():
                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             bad += [f"{name}:{node.lineno} imports {m}" for m in mods if m.split(".")[0] == "hypothesis"]
     assert not bad, "the checking core imports above itself:\n" + "\n".join(bad)
+
+
+def test_no_module_below_the_face_reads_it():
+    """A module that the package face (``fp8ref/__init__``) imports, directly or not, never imports a
+    name from the face (``from .. import __version__``), not even inside a function: that is an arrow
+    back up the floors which the cycle checks cannot see (the face is every module's ancestor).
+    Shared facts live at the ground floor (``fp8ref/_version.py``). The areas above the face (the
+    conformance suite, audits, the CLI) may read it lazily, as its docstring says."""
+    edges = _import_time_edges()
+    below, todo = set(), ["fp8ref"]
+    while todo:
+        for t in edges.get(todo.pop(), ()):
+            if t not in below:
+                below.add(t)
+                todo.append(t)
+    bad = [f"{name}:{line}" for name in sorted(below - {"fp8ref"})
+           for target, _, line in _imports(name) if target == "fp8ref"]
+    assert not bad, "modules below fp8ref's package face that import it: " + ", ".join(bad)
+
+
+def test_the_version_is_written_once():
+    """pyproject.toml's version is the one fp8ref reports (``fp8ref/_version.py``)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    ns: dict = {}
+    exec(compile((PKG / "_version.py").read_text(), "_version.py", "exec"), ns)  # a constant, nothing imported
+    assert ns["__version__"] == declared

@@ -16,6 +16,7 @@ from importlib import metadata
 import torch
 
 from .._machine import cpu_model
+from .._version import __version__
 from ..check.probe import PROBE_REVISION
 from ..registry import Backend, Case
 from ..spec.bounds import PrecisionClass
@@ -63,8 +64,6 @@ def _dist_version(name: str) -> str:
 
 def fp8ref_version() -> str:
     """fp8ref's version (a decision made by another version is not reused)."""
-    from .. import __version__  # the package's face imports the selector: read it at call time
-
     return __version__
 
 
