@@ -254,6 +254,16 @@ KNOWN_FAILURES += [
                           "reached through the fp16 scale",
         test=_F + "test_jax_mxfp8.py::test_small_fp16_block_keeps_its_codes"),
     *_peer_entries(
+        "quanto-qbytes-mm-scale-product-underflow", "quanto-qbytes-mm",
+        ("scaled_mm.bound", "scaled_mm.scale_equivariance"),
+        applies="optimum-quanto 0.2.7, CPU qbytes_mm, bf16 scales whose product is below 2**-133",
+        what="QBytesTensor's matmul passes input._scale * other._scale, multiplied in bf16, and qbytes_mm scales "
+             "the weight codes in bf16: a scale product below bf16's smallest subnormal is 0, so the output is 0 "
+             "(scales 2**-70 each: 0 for 5.8e-36)",
+        link=None, reason="no upstream report found (searched huggingface/optimum-quanto: qbytes_mm scale underflow "
+                          "bfloat16); same class: ikawrakow/ik_llama.cpp#2498 (scales multiplied in fp16)",
+        test=_F + "test_quanto_qbytes_mm.py::test_tiny_scales_keep_a_normal_result"),
+    *_peer_entries(
         "jax-xla-dot-ftz", "jax-xla-dot", ("scaled_mm.bound",),
         applies="jax 0.10.2 on XLA:CPU, a GEMM output below 2**-126 (tiny scales)",
         what="XLA:CPU compiles with flush-to-zero: a subnormal fp32 result of dot(a, b) * sa * sb + bias is "

@@ -121,6 +121,28 @@ def _header():
     return {"command": "fp8ref certify", "machine": "test", "versions": "test", "profile": "dev", "seed": 0}
 
 
+def test_certify_goes_on_past_a_crashed_peer(tmp_path, monkeypatch, capsys):
+    """A peer whose certifying process crashes is reported by name and the others still run; a
+    whole matrix short of its row is not written, and the exit status says something went wrong."""
+    from fp8ref.cli import certify as cli_certify
+    from fp8ref.cli import main
+
+    ran = []
+
+    def crash(name, args, bar):
+        ran.append(name)
+        raise RuntimeError(f"certifying {name} crashed (exit 1): boom")
+
+    monkeypatch.setattr(cli_certify, "_via_subprocess", crash)
+    out = tmp_path / "certified.md"
+    rc = main(["certify", "--peer", "torchao-float8", "--peer", "onnxruntime-qdq", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert ran == ["torchao-float8", "onnxruntime-qdq"]
+    assert "torchao-float8: CRASHED" in err and "onnxruntime-qdq: CRASHED" in err
+    assert "the matrix was not written" in err and not out.exists()
+
+
 def test_certify_cli_lists_and_rejects_unknown_names():
     from fp8ref.cli import main
 

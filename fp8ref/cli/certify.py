@@ -174,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..peers.matrix import compare, recorded_verdicts, render
 
     n_contracts = len(args.only) if args.only else len(CONTRACT_NAMES) - len(CALLING_CONTRACT_NAMES)  # peers skip those
-    certs = []
+    certs, crashed = [], []
     with tqdm(total=len(selected) * n_contracts, desc="fp8ref certify", unit="contract", file=sys.stderr) as bar:
         for peer in selected:
             bar.set_postfix_str(peer.name)
@@ -182,12 +182,23 @@ def _run(args: argparse.Namespace) -> int:
             if args.in_process:
                 cert = _certify_one(peer.name, args, known, lambda _c: bar.update(1))
             else:
-                cert = _via_subprocess(peer.name, args, bar)
+                try:
+                    cert = _via_subprocess(peer.name, args, bar)
+                except RuntimeError as exc:  # one peer's crash (its own process) does not stop the others
+                    crashed.append(str(exc))
+                    print(f"{peer.name}: CRASHED: {exc}", file=sys.stderr, flush=True)
+                    bar.update(before + n_contracts - bar.n)
+                    continue
             bar.update(before + n_contracts - bar.n)  # an unavailable peer runs no contract
             certs.append(cert)
             print(f"{peer.name}: {_summary(cert)}", file=sys.stderr, flush=True)
     if args.json:
         write_text(args.json, json.dumps([c.to_dict() for c in certs], indent=2, default=str))
+    if crashed and not args.merge:
+        # a whole matrix without the crashed rows would be silently short: write none
+        print(f"fp8ref certify: {len(crashed)} peer(s) crashed; the matrix was not written"
+              + (f" (the other certificates are in {args.json})" if args.json else ""), file=sys.stderr)
+        return 1
     if args.merge:
         from ..peers import peer_names
         from ..peers.matrix import merge
@@ -206,6 +217,9 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"  {d}", file=sys.stderr)
             return 1
         print(f"verdicts match {args.check}", file=sys.stderr)
+    if crashed:  # merged without them: their recorded rows were kept
+        print(f"fp8ref certify: {len(crashed)} peer(s) crashed; their rows were left as recorded", file=sys.stderr)
+        return 1
     return 0
 
 
