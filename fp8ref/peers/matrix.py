@@ -20,14 +20,18 @@ Everything below runs on a CPU with torch held at `constraints.txt` (a CPU build
 ```
 pip install -c constraints.txt -e ".[peers]"     # onnxruntime, onnx, torchao, compressed-tensors,
                                                  # jax[cpu], optimum-quanto, nvidia-modelopt, triton,
-                                                 # flax, tinygrad, openvino
-pip install -c constraints.txt --no-deps "sglang==0.5.23" "vllm==0.33.0" "amd-quark==0.13" "onnxslim==0.1.98"
+                                                 # flax, tinygrad, openvino, keras
+pip install -c constraints.txt --no-deps "sglang==0.5.23" "vllm==0.33.0" "amd-quark==0.13" "onnxslim==0.1.98" \\
+    "lmdeploy==0.18.0" "mmengine-lite==0.10.7" addict termcolor yapf platformdirs
+pip install -c constraints.txt omegaconf "pulp<4.0"         # nvidia-modelopt's imports
 pip install -c constraints.txt orjson pyzmq pybase64 starlette msgspec IPython aiohttp \\
     pydantic pillow regex requests packaging tqdm transformers
 ```
 
-SGLang and vLLM declare a CUDA torch and ~50 serving packages each; `--no-deps` plus the small
-packages on the last line (the minimal set their FP8 kernel modules import, found by importing them
+LMDeploy 0.18.0 declares torch <= 2.12.1 and triton <= 3.7.1 (hence `--no-deps`); its Triton
+kernels and online weight quantization import only the small packages on that line. SGLang and
+vLLM declare a CUDA torch and ~50 serving packages each; `--no-deps` plus the small packages on the
+last line (the minimal set their FP8 kernel modules import, found by importing them
 in a fresh virtual environment) is enough for their Triton kernels. The online weight-quantization
 rows (`sglang-online-*`, `vllm-online-*`, `vllm-quantfp8-native`) import SGLang's and vLLM's model
 and config packages, which reach much more: they ran in a separate environment where
@@ -43,12 +47,12 @@ or AMX). jax 0.10.2 is the newest
 release for Python 3.11. Peers whose package is missing are listed as *not run here* with the exact
 missing piece.
 
-Regenerate this page with `fp8ref certify` (about 40 minutes on 2 cores: the Triton kernels run in
+Regenerate this page with `fp8ref certify` (about 20 minutes on 2 cores: the Triton kernels run in
 the interpreter, tinygrad in its Python emulator); `fp8ref certify --peer NAME --only CONTRACT`
 reproduces one result; `fp8ref certify --peer NAME --merge docs/certified.md` recomputes one row and
 keeps the others (the page then says which rows were merged, where); `tests/test_peers.py`
-recomputes the onnxruntime, onnx-reference and torchao rows in CI and fails when their verdicts no
-longer match this page."""
+recomputes the onnxruntime, onnx-reference, torchao and torchao-float8-training rows in CI and fails
+when their verdicts no longer match this page."""
 
 _FAILING = (FAIL, ERROR, XPASS)
 #: Contracts that did not run for the peer: an op it does not declare, an info contract with no example.
