@@ -120,6 +120,15 @@ def test_known_failures_are_strict():
     assert rep.result("quantize.codes").status == "xpass" and not rep.passed
 
 
+def test_a_known_failure_without_an_upstream_link_names_its_ledger_entry():
+    """Most findings have no upstream report: the note names the ledger entry instead of an empty link."""
+    rep = check(ScaleTwice(), "dev", seed=0, contracts=["scaled_mm.bound"])
+    apply_known_failures(rep, [{"backend": ScaleTwice.name, "property": "scaled_mm.bound", "upstream": "",
+                                "id": "scale-twice:scaled_mm.bound", "reason": "no upstream report found"}])
+    note = rep.result("scaled_mm.bound").note
+    assert note == "known failure: scale-twice:scaled_mm.bound -- no upstream report found"
+
+
 def test_unavailable_backend_is_reported_with_reason():
     class Gone(Fp32Base):
         name = "gone"
