@@ -178,6 +178,14 @@ class ModelDtypeScalesPeer(Peer):
         return scheme
 
 
+def plain_fp32_scales(s: QuantScheme) -> str | None:
+    """The decline of a kernel whose scale is the plain fp32 quotient (no power-of-two rounding, no
+    other declared scale convention); None when ``s`` asks for exactly that."""
+    if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
+        return "plain fp32 scales"
+    return None
+
+
 class FixedAmaxFloor:
     """Mixin for a peer whose source fixes its amax floor (``eps``) for one granularity: any positive
     floor the suite asks for at that granularity is the same convention at the source's value."""
@@ -196,8 +204,8 @@ class FixedAmaxFloor:
         granularity and format (None when it takes it)."""
         if s.amax_floor != self.eps:
             return f"amax floor {self.eps:g} is fixed in the source"
-        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
-            return "plain fp32 scales"
+        if (why := plain_fp32_scales(s)) is not None:
+            return why
         if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"weight dtype {case.x_dtype}"
         return None

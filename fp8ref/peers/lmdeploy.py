@@ -64,7 +64,7 @@ from ..registry import Case
 from ..spec.formats import E4M3FN, E5M2
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._base import FixedAmaxFloor, Peer, group_width
+from ._base import FixedAmaxFloor, Peer, group_width, plain_fp32_scales
 from ._triton import TritonPeer
 
 __all__ = ["PEERS"]
@@ -270,9 +270,7 @@ class LMDeployW8A8PerTokenQuant(_LMDeploy, TritonPeer):
             return "dynamic scales only"
         if s.amax_floor <= 0:
             return "eps > 0 (TritonLinearW8A8Impl passes 1e-7)"
-        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
-            return "plain fp32 scales"
-        return None
+        return plain_fp32_scales(s)
 
     def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
         if scale is not None:
@@ -330,8 +328,8 @@ class LMDeploySmoothQuantWeights(_LMDeploy, Peer):
             return "the weight's scale is computed from the weight (dynamic)"
         if s.amax_floor != 0:
             return "no amax floor in the source"
-        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
-            return "plain fp32 scales"
+        if (why := plain_fp32_scales(s)) is not None:
+            return why
         if case.x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"weight dtype {case.x_dtype}"
         return None

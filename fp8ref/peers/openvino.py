@@ -38,7 +38,7 @@ import torch
 
 from ..registry import Case
 from ..spec.formats import E4M3FN, E5M2
-from ..spec.quant import Quantized
+from ..spec.quant import Quantized, expand_scale
 from ..spec.schemes import Granularity, QuantScheme
 from ._base import Peer, spec_or_given_scale
 from .onnxruntime import OnnxRuntimeQDQ, gemm_graph, onnx_model, qdq_attrs, quantize_graph, scale_arg
@@ -115,6 +115,19 @@ def _multiply_codes(scheme: QuantScheme) -> QuantScheme:
     return scheme.with_(multiply_codes=True)
 
 
+def _schemes(case: Case) -> list[QuantScheme]:
+    return [case.recipe.activation] if case.op == "quantize" else [case.recipe.activation, case.recipe.weight]
+
+
+def _plugin_reason(case: Case, schemes: list[QuantScheme]) -> str | None:
+    """What both OpenVINO rows decline: another device, a format OpenVINO has no element type for."""
+    if torch.device(case.device).type != "cpu":
+        return "the CPU plugin"
+    if any(s.format not in (E4M3FN, E5M2) for s in schemes):
+        return "OpenVINO's element types are f8e4m3 and f8e5m2 (no E4M3FNUZ)"
+    return None
+
+
 class OpenVinoOnnxQDQ(OnnxRuntimeQDQ):
     name = "openvino-onnx-qdq"
     project = "OpenVINO"
@@ -131,11 +144,9 @@ class OpenVinoOnnxQDQ(OnnxRuntimeQDQ):
         return _multiply_codes(scheme)
 
     def supports(self, case: Case) -> str | None:
-        if torch.device(case.device).type != "cpu":
-            return "the CPU plugin"
-        schemes = [case.recipe.activation] if case.op == "quantize" else [case.recipe.activation, case.recipe.weight]
-        if any(s.format not in (E4M3FN, E5M2) for s in schemes):
-            return "OpenVINO's element types are f8e4m3 and f8e5m2 (no E4M3FNUZ)"
+        schemes = _schemes(case)
+        if (why := _plugin_reason(case, schemes)) is not None:
+            return why
         if any(s.granularity is Granularity.GROUP and case.K % s.group_size for s in schemes):
             # ONNX allows a shorter last block; the frontend refuses the model (OpConversionFailure)
             return "the ONNX frontend takes block_size only when it divides the axis"
@@ -178,12 +189,10 @@ class OpenVinoConvert(Peer):
         return _multiply_codes(scheme)
 
     def supports(self, case: Case) -> str | None:
-        if torch.device(case.device).type != "cpu":
-            return "the CPU plugin"
-        schemes = [case.recipe.activation] if case.op == "quantize" else [case.recipe.activation, case.recipe.weight]
+        schemes = _schemes(case)
+        if (why := _plugin_reason(case, schemes)) is not None:
+            return why
         for s in schemes:
-            if s.format not in (E4M3FN, E5M2):
-                return "OpenVINO's element types are f8e4m3 and f8e5m2 (no E4M3FNUZ)"
             if s.scale_dtype != torch.float32:
                 return "the Divide / Multiply by the scale is f32"
             if case.op == "quantize" and s.qmax != s.format.max and not s.dynamic:
@@ -199,8 +208,7 @@ class OpenVinoConvert(Peer):
     def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
         rows, cols = x.shape
         s = spec_or_given_scale(x, scheme, scale, torch.float32)
-        r, c = scheme.block_shape(rows, cols)
-        full = s.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols].contiguous()  # broadcast, exact
+        full = expand_scale(s, scheme, rows, cols).contiguous()  # one scale per element, exact
         out = _convert_quantize(scheme.format)({"x": x.to(torch.float32).numpy(), "s": full.numpy()})[0]
         return Quantized(_codes(out, scheme), s, scheme)
 

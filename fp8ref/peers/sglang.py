@@ -53,7 +53,7 @@ from ..registry import Case
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ._base import FixedAmaxFloor, Peer
+from ._base import FixedAmaxFloor, Peer, plain_fp32_scales
 from ._triton import (
     BlockGemmPeer,
     GivenScaleQuantPeer,
@@ -221,9 +221,7 @@ class SGLangMLATensorQuant(_SGLang, GroupQuantPeer):
             return "e4m3fn clamped at 448 only (the module's fp8 dtype on a CPU)"
         if s.amax_floor <= 0:
             return "eps > 0 (the function's default is 1e-12)"
-        if s.scale_dtype != torch.float32 or s.pow2_scale or not s.standard_scale_rule:
-            return "plain fp32 scales"
-        return None
+        return plain_fp32_scales(s)
 
     def quantize(self, x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | None = None) -> Quantized:
         from sglang.kernels.ops.quantization.fp8_kernel import per_tensor_quant_mla_fp8

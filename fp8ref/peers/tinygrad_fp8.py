@@ -19,7 +19,7 @@ import torch
 
 from ..registry import Case
 from ..spec.formats import E4M3FN, E5M2
-from ..spec.quant import Quantized
+from ..spec.quant import Quantized, expand_scale
 from ..spec.schemes import QuantScheme
 from ._base import Peer, spec_or_given_scale
 
@@ -55,8 +55,7 @@ class TinygradFp8(Peer):
 
         rows, cols = x.shape
         s = spec_or_given_scale(x, scheme, scale, torch.float32)
-        r, c = scheme.block_shape(rows, cols)
-        full = s.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols].contiguous()  # broadcast, exact
+        full = expand_scale(s, scheme, rows, cols).contiguous()  # one scale per element, exact
         fp8 = dtypes.fp8e4m3 if scheme.format is E4M3FN else dtypes.fp8e5m2
         v = (Tensor(x.to(torch.float32).numpy()) / Tensor(full.numpy())).cast(fp8).cast(dtypes.float32).numpy()
         return Quantized(torch.from_numpy(v).to(scheme.format.torch_dtype), s, scheme)
