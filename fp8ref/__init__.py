@@ -7,8 +7,9 @@ tests/test_layout.py checks all three.
 
 - ``fp8ref.spec``: the spec (formats, schemes, the reference quantizer, the exact scaled GEMM,
   the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
-  helpers ``_machine`` (CPU detection), ``_io`` (atomic writes), ``_progress`` (progress bars) and
-  ``_version`` (the package's version, which modules below this face read instead of the face).
+  helpers ``_machine`` (CPU detection), ``_io`` (atomic writes), ``_progress`` (progress bars),
+  ``_version`` (the package's version, which modules below this face read instead of the face) and
+  ``_env`` (every ``FP8REF_*`` environment variable, read and checked by one rule).
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
 - ``fp8ref.check``: the checking core -- the conformance contracts' problems and checks (a
   backend and a problem in, the worst error/bound ratio or a located violation out), which the

@@ -28,9 +28,6 @@ DELAY_S = 2.0
 #: Seconds between two progress lines when stderr is not a terminal.
 LINE_EVERY_S = 30.0
 
-_OFF = ("0", "false", "no", "off")
-_ON = ("1", "true", "yes", "on")
-
 
 class _Quiet:
     """What ``progress`` returns when bars are off or tqdm is missing: the same calls, no output."""
@@ -128,17 +125,19 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
     ...         bar.set_postfix_str(name)
     ...         bar.update(1)
     """
-    setting = os.environ.get(ENV_VAR, "").strip().lower()
-    if setting in _OFF:
+    from ._env import get  # a helper beside this one: imported when a bar is made
+
+    setting = get(ENV_VAR)
+    if setting is False:
         return _Quiet(iterable, total)
-    if setting not in _ON and not _isatty(sys.stderr):
+    if setting is None and not _isatty(sys.stderr):
         return _Lines(iterable, total, desc, unit)
     try:
         from tqdm.auto import tqdm
     except ImportError:  # installed without its dependencies (--no-deps): work on, silently
         return _Quiet(iterable, total)
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, delay=DELAY_S, file=sys.stderr,
-                disable=False if setting in _ON else None, dynamic_ncols=True)
+                disable=False if setting else None, dynamic_ncols=True)
 
 
 def _isatty(stream) -> bool:

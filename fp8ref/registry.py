@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import _env
 from .spec.bounds import Accumulation, PrecisionClass, check_output_roundings, precision_class
 from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
@@ -327,21 +329,50 @@ def _ensure_loaded() -> None:
         if _loaded or _loading:  # _loading: this very thread, inside a backend module's import
             return
         _loading = True
+        before = set(_REGISTRY)
+        modules = [m for m in _BUILTIN_MODULES if m not in sys.modules]
         try:
-            for mod in _BUILTIN_MODULES:
-                importlib.import_module(mod)
-            for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-                try:
-                    obj = ep.load()
-                    backend = obj() if isinstance(obj, type) else obj
-                    if backend.name not in _REGISTRY:
-                        register_backend(backend)
-                        _ENTRY_POINT_NAMES.add(backend.name)
-                except Exception as exc:  # a broken plug-in must not break fp8ref; say so once
-                    warnings.warn(f"fp8ref: backend entry point {ep.name!r} failed to load: {exc!r}", stacklevel=2)
+            _load()
             _loaded = True  # only now: every backend is in
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, SystemExit) or failed half way: undo what this attempt
+            # did, so the next call loads afresh instead of meeting half a registry ("a backend named
+            # 'torch' is already registered"): the backends it registered go, and so do the backend
+            # modules it imported (importing them again is what registers their backends).
+            for name in set(_REGISTRY) - before:
+                del _REGISTRY[name]
+                _ENTRY_POINT_NAMES.discard(name)
+            for mod in modules:
+                sys.modules.pop(mod, None)
+            raise
         finally:
             _loading = False
+
+
+def _reset_lock_after_fork() -> None:
+    """A child forked while another thread loaded the registry would wait for ever on the lock that
+    thread held; the child gets a fresh lock (and loads again if the load had not finished)."""
+    global _LOAD_LOCK, _loading
+    _LOAD_LOCK = threading.RLock()
+    _loading = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
+
+
+def _load() -> None:
+    for mod in _BUILTIN_MODULES:
+        importlib.import_module(mod)
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            backend = obj() if isinstance(obj, type) else obj
+            if backend.name not in _REGISTRY:
+                register_backend(backend)
+                _ENTRY_POINT_NAMES.add(backend.name)
+        except Exception as exc:  # a broken plug-in must not break fp8ref; say so once
+            warnings.warn(f"fp8ref: backend entry point {ep.name!r} failed to load: {exc!r}", stacklevel=2)
 
 
 def origin(name: str) -> str:
@@ -359,7 +390,7 @@ def is_trusted(name: str) -> bool:
     to run its kernel in every ``fp8ref.linear`` and audit."""
     if name not in _ENTRY_POINT_NAMES:
         return True
-    allow = {n.strip() for n in os.environ.get(ENV_ALLOW, "").split(",") if n.strip()}
+    allow = _env.get(ENV_ALLOW)
     return "*" in allow or name in allow
 
 

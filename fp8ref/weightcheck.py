@@ -10,10 +10,9 @@ copy). docs/selection.md, "Weights changed in place", gives what each sees and c
 
 from __future__ import annotations
 
-import os as _os
-
 import torch
 
+from . import _env
 from .spec.quant import Quantized
 
 __all__ = ["WEIGHT_CHECKS", "SAMPLE_ROWS", "ENV_WEIGHT_CHECK", "MemorySample", "tensor_version", "weight_check_mode"]
@@ -162,7 +161,7 @@ def _sample_views(t: torch.Tensor) -> list[torch.Tensor]:
 def weight_check_mode(weight_check: str | None) -> str:
     """``weight_check``, or ``FP8REF_WEIGHT_CHECK``'s value when None, else ``"sample"``, checked."""
     if weight_check is None:
-        weight_check = _os.environ.get(ENV_WEIGHT_CHECK) or "sample"
+        weight_check = _env.get(ENV_WEIGHT_CHECK)
         origin = ENV_WEIGHT_CHECK
     else:
         origin = "weight_check"

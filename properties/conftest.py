@@ -29,9 +29,10 @@ def pytest_configure(config):
 
 def _known_failures() -> list[dict]:
     """Ledger entries that name a contract: ``$FP8REF_KNOWN_FAILURES`` or known_failures.py here."""
+    from fp8ref import _env
     from fp8ref.cli.conformance import load_known_failures
 
-    path = os.environ.get("FP8REF_KNOWN_FAILURES") or os.path.join(os.path.dirname(__file__), "known_failures.py")
+    path = _env.get("FP8REF_KNOWN_FAILURES") or os.path.join(os.path.dirname(__file__), "known_failures.py")
     return [e for e in load_known_failures(path) if e.get("property")]
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .. import _env
+
 __all__ = ["MaterialUnavailable", "package_dir", "cache_dir", "load_model", "load_text", "lm_batches",
            "encoder_batches", "encoder_sentences", "MODELS", "TEXTS"]
 
@@ -49,7 +51,7 @@ def package_dir(package: str) -> Path:
 
 def cache_dir() -> Path:
     """``$FP8REF_CACHE_DIR`` or ``~/.cache/fp8ref`` (the selector's cache uses the same root)."""
-    return Path(os.environ.get("FP8REF_CACHE_DIR") or Path.home() / ".cache" / "fp8ref")
+    return Path(_env.get("FP8REF_CACHE_DIR") or Path.home() / ".cache" / "fp8ref")
 
 
 def _transformers():

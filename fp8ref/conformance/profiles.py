@@ -18,11 +18,12 @@ GEMM's time depends on the shape drawn).
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, Phase, settings
+
+from .. import _env
 
 __all__ = ["Profile", "PROFILES", "ENV_VAR", "get_profile", "default_profile_name", "hypothesis_settings",
            "resolve_seed", "boundary_sizes"]
@@ -148,7 +149,7 @@ def default_profile_name() -> str:
     """``$FP8REF_HYPOTHESIS_PROFILE`` if set, else ``ci``: the profile that finds the bugs, and the
     one default of ``check()``, the pytest fixture, ``pytest properties`` and the CLI (``dev`` is
     the quick one for editing a kernel)."""
-    name = os.environ.get(ENV_VAR) or "ci"
+    name = _env.get(ENV_VAR)
     if name not in PROFILES:
         raise ValueError(f"{ENV_VAR}={name!r} is not a profile; choose one of {sorted(PROFILES)}")
     return name

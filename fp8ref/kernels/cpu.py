@@ -45,7 +45,6 @@ run failure falls back to the eager code for good (with one warning).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -54,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import _env
 from ..registry import Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.gemm import k_segments
@@ -82,7 +82,7 @@ _precision_lock = threading.Lock()
 
 def compile_enabled() -> bool:
     """Whether ``FP8REF_COMPILE`` asks for the torch.compile'd paths (default: off)."""
-    return os.environ.get("FP8REF_COMPILE", "0").lower() in ("1", "true", "yes", "on")
+    return _env.get("FP8REF_COMPILE")
 
 
 @contextlib.contextmanager
@@ -114,7 +114,7 @@ def pack_reason(wide: torch.dtype) -> str | None:
 
 
 def _find_pack_reason(wide: torch.dtype) -> str | None:
-    if os.environ.get("FP8REF_CPU_PACK", "1").lower() in ("0", "false", "no", "off"):
+    if not _env.get("FP8REF_CPU_PACK"):
         return "FP8REF_CPU_PACK=0"
     mkldnn = getattr(torch.backends, "mkldnn", None)
     if mkldnn is None or not mkldnn.is_available():
@@ -254,7 +254,7 @@ class CpuWideBackend(Backend):
         self.rejects_non_finite = True  # x: the quantizers' amax checks; bias: check_mm_args
         self._compile = compile
         #: fp32 GEMMs through oneDNN's bf16 dot products (see the module docstring); cpu-fp32 only
-        self.bf16_dot_products = os.environ.get("FP8REF_CPU_BF16_DOT", "0") == "1"
+        self.bf16_dot_products = _env.get("FP8REF_CPU_BF16_DOT")
 
     @property
     def compile(self) -> bool:

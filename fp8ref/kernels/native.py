@@ -44,6 +44,8 @@ from types import ModuleType
 
 import torch
 
+from .. import _env
+
 __all__ = ["CSRC", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "ENV_BUILD", "ENV_NATIVE", "build_key",
            "build_name", "build_dir", "library_path", "is_built", "toolchain_reason", "build", "prepare",
            "get", "loaded", "require", "reset"]
@@ -75,8 +77,8 @@ _error: str | None = None
 _native_state: ModuleType | bool | None = None
 
 
-def _flag(name: str, default: str) -> bool:
-    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+def _flag(name: str) -> bool:
+    return _env.get(name)
 
 
 def _compiler() -> str:
@@ -244,7 +246,7 @@ def prepare() -> str | None:
         if _error is not None:
             return _error
         reason = toolchain_reason()
-        if not _flag(ENV_BUILD, "0"):
+        if not _flag(ENV_BUILD):
             return reason or _NOT_BUILT
         if reason is not None:
             return reason
@@ -268,7 +270,7 @@ def get() -> ModuleType | None:
     global _native_state
     if _native_state is not None:
         return _native_state or None
-    if not _flag(ENV_NATIVE, "1"):
+    if not _flag(ENV_NATIVE):
         return None
     mod = _load_existing()
     _native_state = mod if mod is not None else False

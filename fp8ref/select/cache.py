@@ -13,7 +13,10 @@ ignored with a warning, never opened for a blocking or unbounded read); a write 
 cache and warns once per process (a writer stopped with SIGSTOP, or hung, holds it); and the
 temporary files of writers killed mid-write (SIGKILL) are removed by the next writer, which holds
 the lock, so no live writer can own them. The selector re-checks what it
-reads (``selector._stale_reason``): the file is a cache, not a trusted input. ``generation()``
+reads (``selector._stale_reason``): the file is a cache, not a trusted input, and ``trust`` says
+whose files are read at all and which probe verdicts in them carry this user's seal. Content that
+is not the layout below (wrong types, nesting too deep to parse) is treated as absent, with one
+warning per file. ``generation()``
 changes whenever a kept decision may have changed, which invalidates ``fp8ref.linear``'s
 per-weight dispatch tables.
 """
@@ -23,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import stat
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+from .. import _env
 from .._io import atomic_write
+from . import trust
 from .decision import Decision
 from .keys import fp8ref_version
 
@@ -56,7 +60,7 @@ _WARNED: set[str] = set()
 
 def cache_file() -> Path:
     """The on-disk cache: ``$FP8REF_CACHE_DIR/select-v1.json`` (default ``~/.cache/fp8ref``)."""
-    root = os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "fp8ref")
+    root = _env.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "fp8ref")
     return Path(root) / _CACHE_NAME
 
 
@@ -67,6 +71,7 @@ def clear_cache(*, memory: bool = True, disk: bool = False, failures: bool = Tru
     if failures:
         _FAILED.clear()
         _WARNED.clear()
+        _WARNED_ONCE.clear()
     if disk:
         with contextlib.suppress(FileNotFoundError):
             cache_file().unlink()
@@ -101,11 +106,12 @@ def _read_bounded(path: Path) -> bytes:
     Opened non-blocking (a FIFO would block ``open`` until a writer appears) and checked with
     ``fstat`` on the open descriptor (no race between a check and the open); at most
     ``MAX_CACHE_BYTES + 1`` bytes are read, whatever the file grows to meanwhile."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = trust.open_nofollow(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
+        refusal = trust.fd_refusal(fd, path)
+        if refusal is not None:
+            raise OSError(refusal)
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
         if st.st_size > MAX_CACHE_BYTES:
             raise OSError(f"{st.st_size} bytes, more than the {MAX_CACHE_BYTES} a cache file may hold")
         chunks, size = [], 0
@@ -122,7 +128,21 @@ def _read_bounded(path: Path) -> bytes:
         os.close(fd)
 
 
+def _refused(directory: Path) -> bool:
+    """Whether the disk cache in ``directory`` is refused (another user's, or writable by others):
+    then fp8ref keeps decisions in memory only and says so once per directory."""
+    reason = trust.dir_refusal(directory)
+    if reason is not None:
+        _warn_once(f"refuse:{directory}", f"fp8ref: not using the selection cache in {directory}: {reason}; "
+                                          "decisions stay in memory (this warning is shown once)")
+    return reason is not None
+
+
 def read_disk(path: Path, *, warn: bool) -> dict[str, Any] | None:
+    """The cache file's content, or None when it is missing, refused, unreadable, corrupt or stale
+    (with one warning per file and kind when ``warn``)."""
+    if _refused(path.parent):
+        return None
     try:
         raw = _read_bounded(path)
     except FileNotFoundError:
@@ -135,16 +155,16 @@ def read_disk(path: Path, *, warn: bool) -> dict[str, Any] | None:
         data = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError: a corrupt file too
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             raise ValueError("no 'entries' object")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         if warn:
-            warnings.warn(f"fp8ref: ignoring corrupt selection cache {path} ({exc}); it will be rebuilt",
-                          stacklevel=4)
+            _warn_once(f"corrupt:{path}:{len(raw)}", f"fp8ref: ignoring corrupt selection cache {path} "
+                       f"({type(exc).__name__}: {str(exc)[:200]}); it will be rebuilt")
         return None
     if data.get("schema") != CACHE_SCHEMA or data.get("fp8ref") != fp8ref_version():
         if warn:
-            warnings.warn(f"fp8ref: ignoring stale selection cache {path} (schema {data.get('schema')!r}, "
-                          f"fp8ref {data.get('fp8ref')!r}; expected {CACHE_SCHEMA}, {fp8ref_version()}); "
-                          "it will be rebuilt", stacklevel=4)
+            _warn_once(f"stale:{path}", f"fp8ref: ignoring stale selection cache {path} (schema "
+                       f"{str(data.get('schema'))[:40]!r}, fp8ref {str(data.get('fp8ref'))[:40]!r}; expected "
+                       f"{CACHE_SCHEMA}, {fp8ref_version()}); it will be rebuilt")
         return None
     return data
 
@@ -154,18 +174,10 @@ class _LockTimeout(OSError):
 
 
 def lock_timeout() -> float:
-    """Seconds a write waits for the lock: ``FP8REF_CACHE_LOCK_TIMEOUT`` (a number >= 0), else 10."""
-    raw = os.environ.get(ENV_LOCK_TIMEOUT)
-    if raw:
-        try:
-            value = float(raw)
-            if value >= 0:
-                return value
-        except ValueError:
-            pass
-        _warn_once("timeout", f"fp8ref: ignoring {ENV_LOCK_TIMEOUT}={raw!r} (not a number >= 0); "
-                              f"using {DEFAULT_LOCK_TIMEOUT:g} s")
-    return DEFAULT_LOCK_TIMEOUT
+    """Seconds a write waits for the lock: ``FP8REF_CACHE_LOCK_TIMEOUT`` (finite, > 0, at most an
+    hour: ``inf`` would re-open the hang the timeout prevents), else 10. A bad value raises
+    ``fp8ref._env.EnvVarError`` (docs/environment.md)."""
+    return _env.get(ENV_LOCK_TIMEOUT)
 
 
 @contextlib.contextmanager
@@ -177,10 +189,13 @@ def _locked(path: Path, timeout: float):
     except ImportError:  # Windows: writes stay atomic (os.replace), merges may lose an entry
         yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    # O_NOFOLLOW: a link planted at the lock's path is refused (ELOOP), never followed to create
+    # or lock its target. The lock is shared by every writer, so it is opened, not created exclusively.
+    fd = trust.open_nofollow(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"the lock file {path} is not a regular file")
+        refusal = trust.fd_refusal(fd, path)
+        if refusal is not None:
+            raise OSError(f"the lock file {refusal}")
         deadline = time.monotonic() + timeout
         delay = 0.001
         while True:
@@ -219,18 +234,27 @@ def _remove_stale_temps(path: Path) -> None:
             tmp.unlink()
 
 
-def write_disk(key: str, decision: Decision) -> None:
+def write_disk(key: str, decision: Decision, sealed: dict[str, str] | None = None) -> None:
     """Merge one entry into the cache file under a lock; write a temp file, then os.replace.
-    Never raises: a cache that cannot be written (read-only home, lock held past the timeout)
-    costs a warning, and the decision stays in memory."""
+    ``sealed``: backend name -> the message its compliance is bound to (``trust.seal``), kept with
+    the entry as tags under this user's secret. Never raises ``OSError``: a cache that cannot be
+    written (read-only home, lock held past the timeout, a refused directory) costs a warning, and
+    the decision stays in memory."""
     path = cache_file()
+    timeout = lock_timeout()  # a bad FP8REF_CACHE_LOCK_TIMEOUT is the caller's error: raised, not swallowed
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path.with_name(path.name + ".lock"), lock_timeout()):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if _refused(path.parent):
+            return
+        with _locked(path.with_name(path.name + ".lock"), timeout):
             _remove_stale_temps(path)
             data = read_disk(path, warn=False) or {"schema": CACHE_SCHEMA, "fp8ref": fp8ref_version(),
                                                      "entries": {}}
-            data["entries"][key] = decision.to_json()
+            entry = decision.to_json()
+            if sealed:
+                secret = trust.make_secret(path.parent)
+                entry["attest"] = {name: trust.seal(secret, msg) for name, msg in sealed.items()}
+            data["entries"][key] = entry
 
             def _dump(tmp: str) -> None:
                 with open(tmp, "w") as f:
@@ -244,16 +268,23 @@ def write_disk(key: str, decision: Decision) -> None:
         warnings.warn(f"fp8ref: cannot write selection cache {path}: {exc}", stacklevel=4)
 
 
-def lookup_disk(key: str) -> Decision | None:
-    """The decision kept on disk under ``key``, or None (a malformed entry is ignored with a warning)."""
-    data = read_disk(cache_file(), warn=True)
+def lookup_disk(key: str, messages: dict[str, str] | None = None) -> tuple[Decision, list[str]] | None:
+    """The decision kept on disk under ``key`` and the names of ``messages`` (backend name -> the
+    message its compliance is bound to) whose seal is missing or wrong; None when there is no
+    usable entry (a malformed one is ignored with one warning)."""
+    path = cache_file()
+    data = read_disk(path, warn=True)
     if data is None or key not in data["entries"]:
         return None
+    entry = data["entries"][key]
     try:
-        return Decision.from_json(key, data["entries"][key])
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        warnings.warn(f"fp8ref: ignoring malformed cache entry ({exc!r}); it will be rebuilt", stacklevel=3)
+        d = Decision.from_json(key, entry)
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
+        _warn_once(f"entry:{path}:{key}", f"fp8ref: ignoring malformed cache entry in {path} "
+                                          f"({type(exc).__name__}: {str(exc)[:200]}); it will be rebuilt")
         return None
+    messages = messages or {}
+    return d, trust.unsealed(trust.read_secret(path.parent), messages, entry.get("attest"))
 
 
 def mark_failed(name: str, key: str, exc: BaseException) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["Row", "Decision", "ProbeResult", "NoCompliantBackendError", "BackendUnavailableError"]
@@ -60,6 +60,37 @@ def _op_ratio(ratios: dict[str, float], ops: tuple[str, ...]) -> float:
     return max(hits) if hits else math.nan
 
 
+#: What each field of a ``Row`` read from the cache file may hold (None allowed where listed).
+_ROW_TYPES: dict[str, tuple[type, ...]] = {
+    "backend": (str,), "precision": (str,), "available": (str, type(None)), "supported": (str, type(None)),
+    "admitted": (bool,), "compliant": (bool, type(None)), "worst_ratio": (float, type(None)), "ratios": (dict,),
+    "detail": (str,), "estimate_s": (float, type(None)), "median_s": (float, type(None)), "runs": (int,),
+    "note": (str,), "chosen": (bool,),
+}
+
+
+def _typed(d: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+    """``d[name]`` if it has one of ``types`` (an int stands for a float; a bool is no number)."""
+    types = types if isinstance(types, tuple) else (types,)
+    v = d[name]
+    if float in types and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if isinstance(v, bool) and bool not in types:
+        raise TypeError(f"{name!r} must be {' or '.join(t.__name__ for t in types)}, got a bool")
+    if not isinstance(v, types):
+        raise TypeError(f"{name!r} must be {' or '.join(t.__name__ for t in types)}, got {type(v).__name__}")
+    return v
+
+
+def _row(r: Any) -> Row:
+    if not isinstance(r, dict):
+        raise TypeError(f"a row must be an object, got {type(r).__name__}")
+    values = {name: _typed(r, name, types) for name, types in _ROW_TYPES.items() if name in r}
+    if "ratios" in values:
+        values["ratios"] = {str(k): _typed(values["ratios"], k, float) for k in values["ratios"]}
+    return Row(**values)
+
+
 @dataclass
 class Decision:
     """What the selector chose for a key, with the table behind it."""
@@ -80,11 +111,20 @@ class Decision:
 
     @classmethod
     def from_json(cls, key: str, d: dict[str, Any]) -> Decision:
-        names = {f.name for f in fields(Row)}
-        rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in d["rows"]]
-        return cls(key=key, case=str(d["case"]), precision=str(d["precision"]), chosen=str(d["chosen"]),
-                   ranking=[str(n) for n in d["ranking"]], rows=rows, source="disk",
-                   seconds=float(d.get("seconds", 0.0)))
+        """The decision a cache entry holds; ``TypeError``/``ValueError`` naming the field when
+        the entry is not exactly the layout ``to_json`` writes (the file is not trusted: a wrongly
+        typed row must be refused here, not raise later inside ``table()``)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a cache entry must be an object, got {type(d).__name__}")
+        rows = d["rows"]
+        if not isinstance(rows, list):
+            raise TypeError(f"'rows' must be a list, got {type(rows).__name__}")
+        ranking = d["ranking"]
+        if not isinstance(ranking, list) or not all(isinstance(n, str) for n in ranking):
+            raise TypeError("'ranking' must be a list of backend names")
+        return cls(key=key, case=_typed(d, "case", str), precision=_typed(d, "precision", str),
+                   chosen=_typed(d, "chosen", str), ranking=list(ranking), rows=[_row(r) for r in rows],
+                   source="disk", seconds=_typed({"seconds": d.get("seconds", 0.0)}, "seconds", float))
 
     def table(self) -> str:
         """The decision as a fixed-width text table."""

@@ -21,7 +21,7 @@ from ..check.probe import PROBE_REVISION
 from ..registry import Backend, Case
 from ..spec.bounds import PrecisionClass
 
-__all__ = ["m_bucket", "bucket_lo", "device_name", "available_reason", "fp8ref_version", "selection_key"]
+__all__ = ["m_bucket", "bucket_lo", "device_name", "available_reason", "fp8ref_version", "selection_key", "declaration"]
 
 
 def m_bucket(M: int) -> int:
@@ -75,7 +75,9 @@ def available_reason(backend: Backend) -> str | None:
         return f"available() raised {exc!r}"
 
 
-def _declaration(b: Backend) -> str:
+def declaration(b: Backend) -> str:
+    """What identifies backend ``b``'s code and claims: module, class, accumulation, output
+    roundings, version and availability (part of the key, and of the seal on its compliance)."""
     acc = b.accumulation
     # Availability is part of it: e.g. setting TRITON_INTERPRET makes a new candidate appear.
     return (f"{b.name}={type(b).__module__}.{type(b).__qualname__}/{acc.name}:{acc.unit_roundoff!r}:"
@@ -85,7 +87,7 @@ def _declaration(b: Backend) -> str:
 
 def selection_key(case: Case, precision: str, candidates: list[Backend]) -> str:
     """The cache key of a selection (a readable string; the candidate set is hashed)."""
-    cands = hashlib.sha1("|".join(sorted(_declaration(b) for b in candidates)).encode()).hexdigest()[:12]
+    cands = hashlib.sha1("|".join(sorted(declaration(b) for b in candidates)).encode()).hexdigest()[:12]
     return "|".join([
         device_name(case.device),
         f"torch={torch.__version__}",

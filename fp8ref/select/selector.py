@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from .. import _env
 from .._progress import progress
+from ..check.probe import PROBE_REVISION
 from ..registry import _REGISTRY, Backend, Case, _ensure_loaded, decline_reason, get_backend, is_trusted
 from ..spec.bounds import PrecisionClass
 from ..spec.checks import X_DTYPES
@@ -27,7 +29,7 @@ from ..spec.schemes import Recipe
 from . import cache, timing
 from .compliance import ProbeSet, probe, probe_shapes
 from .decision import BackendUnavailableError, Decision, NoCompliantBackendError, ProbeResult, Row
-from .keys import available_reason, bucket_lo, m_bucket, selection_key
+from .keys import available_reason, bucket_lo, declaration, m_bucket, selection_key
 
 __all__ = ["DEFAULT_PRECISION", "ENV_BACKEND", "ENV_CANDIDATES", "X_DTYPES", "check_case", "select", "resolve"]
 
@@ -43,8 +45,7 @@ ENV_CANDIDATES = "FP8REF_CANDIDATES"
 def _candidates(names: list[str] | tuple[str, ...] | None) -> list[Backend]:
     _ensure_loaded()
     if names is None:
-        env = os.environ.get(ENV_CANDIDATES)
-        names = [n.strip() for n in env.split(",") if n.strip()] if env else None
+        names = _env.get(ENV_CANDIDATES)
     if names is None:
         # Entry-point backends only when allowed (registry.is_trusted): naming one is the other way.
         return [b for b in list(_REGISTRY.values()) if is_trusted(b.name)]
@@ -127,20 +128,60 @@ def _empty_output(case: Case, precision: str, key: str) -> Decision:
                     rows=[row], source="probe")
 
 
-def _stale_reason(d: Decision, precision: str) -> str | None:
-    """Why a decision read from disk cannot be used as it is for ``precision`` (None if it can):
-    the file is a cache, not a trusted input, so what the selector would never choose is re-checked."""
+def _stale_reason(d: Decision, precision: str, cands: list[Backend]) -> str | None:
+    """Why a decision read from disk cannot be used as it is for ``precision`` and the candidates
+    ``cands`` (None if it can): the file is a cache, not a trusted input, so what the selector
+    would never choose is re-checked -- every ranked backend must be one of this call's candidates
+    (which holds only allowed entry-point backends unless the caller named them), registered as
+    that very object, and in an admitted class. Compliance is checked apart (``_from_disk``)."""
     if not d.ranking or d.chosen != d.ranking[0]:
         return f"chosen {d.chosen!r} is not first of its ranking {d.ranking}"
+    if len(set(d.ranking)) != len(d.ranking):
+        return f"its ranking {d.ranking} names a backend twice"
     if d.precision != precision:
         return f"it was made for precision={d.precision!r}"
     req = PrecisionClass(precision)
+    allowed = {b.name: b for b in cands}
     for name in d.ranking:
         b = _REGISTRY.get(name)
         if b is None:
             return f"backend {name!r} is not registered"
+        if allowed.get(name) is not b:
+            return (f"backend {name!r} is not among this call's candidates {sorted(allowed)} (candidates=, "
+                    f"{ENV_CANDIDATES}, or the allow-list FP8REF_ALLOW_BACKENDS for entry-point backends)")
         if not req.admits(b.precision):
             return f"backend {name!r} is in class {b.precision.value}, outside precision={precision!r}"
+    return None
+
+
+def _is_spec(b: Backend) -> bool:
+    """The reference backend shipped with fp8ref: the spec itself, compliant by definition."""
+    return type(b).__module__ == "fp8ref.kernels.reference" and b.name == "reference"
+
+
+def _seal_messages(key: str, names: list[str]) -> dict[str, str]:
+    """What each ranked backend's compliance is bound to on disk (``trust``): the key, the
+    backend's declaration (identity, version, availability) and the probe's revision."""
+    return {n: f"{key}\0{declaration(_REGISTRY[n])}\0probe={PROBE_REVISION}\0compliant" for n in names
+            if not _is_spec(_REGISTRY[n])}
+
+
+def _reprobe(case: Case, precision: str, names: list[str]) -> str | None:
+    """Probe again, in this process, the backends a cached decision ranks without a valid seal;
+    why one of them cannot stand (None: all are compliant here)."""
+    req = PrecisionClass(precision)
+    probe_set = None
+    for name in names:
+        b = _REGISTRY[name]
+        why = available_reason(b) or _supports(b, case)
+        if why is None and not req.admits(b.precision):
+            why = f"class {b.precision.value} not admitted"
+        if why is None:
+            probe_set = probe_set or ProbeSet(case)
+            res = probe(b, case, _set=probe_set)
+            why = None if res.compliant else f"the probe rejects it: {res.detail}"
+        if why is not None:
+            return f"backend {name!r}, ranked without this user's seal, was probed again: {why}"
     return None
 
 
@@ -179,7 +220,7 @@ def _probe_time_rank(case: Case, precision: str, cands: list[Backend], key: str,
         if not row.admitted:
             row.note = f"class {b.precision.value} not admitted by precision={precision}"
             continue
-        if type(b).__module__ == "fp8ref.kernels.reference" and b.name == "reference":
+        if _is_spec(b):
             # The spec itself: probing it compares it with itself (and costs the most, float64).
             row.compliant, row.detail, row.estimate_s = True, "the spec (compliant by definition, not probed)", math.inf
             probed.append((b, row, None))
@@ -291,6 +332,19 @@ _KEY_LOCKS: dict[str, threading.Lock] = {}
 _KEY_LOCKS_GUARD = threading.Lock()
 
 
+def _reset_locks_after_fork() -> None:
+    """In a forked child only the forking thread lives: a lock another thread held at the fork
+    would stay held for ever. The child starts with fresh locks (a selection the parent was
+    running is simply not in the child's memory: it selects again)."""
+    global _KEY_LOCKS, _KEY_LOCKS_GUARD
+    _KEY_LOCKS = {}
+    _KEY_LOCKS_GUARD = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_locks_after_fork)
+
+
 def _key_lock(key: str) -> threading.Lock:
     with _KEY_LOCKS_GUARD:
         return _KEY_LOCKS.setdefault(key, threading.Lock())
@@ -302,17 +356,35 @@ def _select_locked(case: Case, precision: str, cands: list[Backend], key: str, r
         if d is not None:
             d.source = "memory"
             return d
-        d = cache.lookup_disk(key)
-        if d is not None:
-            stale = _stale_reason(d, precision)
-            if stale is None:
-                cache.remember(key, d)
-                return d
-            warnings.warn(f"fp8ref: ignoring the cached decision for {d.case} in {cache.cache_file()} ({stale}); "
-                          "selecting again", stacklevel=2)
+        found = _from_disk(case, precision, cands, key)
+        if found is not None:
+            return found
     d = _run_selection(case, precision, cands, key)
     cache.remember(key, d)
-    cache.write_disk(key, d)
+    cache.write_disk(key, d, _seal_messages(key, d.ranking))
+    return d
+
+
+def _from_disk(case: Case, precision: str, cands: list[Backend], key: str) -> Decision | None:
+    """The disk cache's decision for ``key`` if it may be used (a hint, never a verdict: see
+    ``trust``): every ranked backend a candidate, allowed and admitted, and compliant by a seal this
+    user made or by a probe run now (then sealed anew). None, with a warning saying why, otherwise."""
+    # The seal's messages need the ranking, which only the entry knows: ask with every candidate's.
+    found = cache.lookup_disk(key, _seal_messages(key, [b.name for b in cands if b.name in _REGISTRY]))
+    if found is None:
+        return None
+    d, unsealed = found
+    stale = _stale_reason(d, precision, cands)
+    unsealed = [n for n in d.ranking if n in unsealed]
+    if stale is None and unsealed:
+        stale = _reprobe(case, precision, unsealed)
+        if stale is None:
+            cache.write_disk(key, d, _seal_messages(key, d.ranking))
+    if stale is not None:
+        warnings.warn(f"fp8ref: ignoring the cached decision for {case.short_str()} in {cache.cache_file()} "
+                      f"({stale}); selecting again", stacklevel=4)
+        return None
+    cache.remember(key, d)
     return d
 
 
@@ -353,8 +425,8 @@ def resolve(case: Case, backend: str = "auto", precision: str | PrecisionClass =
         raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")
     if backend != "auto":
         return _forced(backend, case, precision, f"backend={backend!r}"), None
-    env = os.environ.get(ENV_BACKEND)
-    if env and env != "auto":
+    env = _env.get(ENV_BACKEND)
+    if env is not None:
         return _forced(env, case, precision, f"{ENV_BACKEND}={env!r}"), None
     d = select(case, precision, candidates=candidates)
     for name in d.ranking:
