@@ -45,6 +45,7 @@ run failure falls back to the eager code for good (with one warning).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -103,6 +104,10 @@ def _bf16_dot_products():
 
 _pack_lock = threading.Lock()
 _PACK_REASON: dict[torch.dtype, str | None] = {}
+# A lock another thread held at a fork stays held for ever in the child: the child gets fresh ones.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: globals().update(_precision_lock=threading.Lock(),
+                                                                _pack_lock=threading.Lock()))
 
 
 def pack_reason(wide: torch.dtype) -> str | None:

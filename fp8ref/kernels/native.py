@@ -70,6 +70,9 @@ _NOT_BUILT = ("the cpu-fp8 C++ kernel is not built yet: run `python -m fp8ref.ke
               "(about a minute), or set FP8REF_CPU_FP8=1 to build it on first use")
 
 _lock = threading.RLock()
+# A lock another thread held at a fork stays held for ever in the child: the child gets fresh ones.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.RLock()))
 _module: ModuleType | None = None
 #: Why loading or building failed in this process (then nothing is tried again until ``reset``).
 _error: str | None = None

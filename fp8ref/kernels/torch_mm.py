@@ -32,6 +32,7 @@ reason, whatever raises. The answer is cached per (device, class) for the proces
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -72,6 +73,9 @@ def _trial_shape(M: int, N: int, K: int) -> tuple[int, int, int]:
 
 _TRIALS: dict[tuple, str | None] = {}
 _TRIALS_LOCK = threading.Lock()
+# A lock another thread held at a fork stays held for ever in the child: the child gets fresh ones.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: globals().update(_TRIALS_LOCK=threading.Lock()))
 
 
 @ieee_methods

@@ -119,6 +119,9 @@ def _quant_reason(scheme: QuantScheme) -> str | None:
 #: Triton's CPU interpreter keeps the launch's grid in module state: two threads launching at once
 #: read each other's grid (``y >= grid_dim[1]``) or lose the JIT context; launches there take turns.
 _INTERPRETER_LOCK = threading.Lock()
+# A lock another thread held at a fork stays held for ever in the child: the child gets fresh ones.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: globals().update(_INTERPRETER_LOCK=threading.Lock()))
 
 
 def _launching():
