@@ -63,13 +63,18 @@ def pytest_addoption(parser):
          help="Hypothesis seed for the conformance contracts (default: the profile's; ci: fixed at 0)")
 
 
+_PROFILE_VAR = "FP8REF_HYPOTHESIS_PROFILE"
+
+
 def pytest_configure(config):
     """With ``$FP8REF_HYPOTHESIS_PROFILE`` set (tox sets ``ci``), every Hypothesis test of the
     session runs under the matching settings profile ``fp8ref-<name>`` (examples per test, no
     example database, no deadline)."""
     import os
 
-    if not (os.environ.get("FP8REF_HYPOTHESIS_PROFILE") or "").strip():  # set: read (and checked) by get_profile
+    # Whether it is set at all (importing fp8ref only to learn that would slow every pytest session);
+    # its value is read, and checked, by get_profile through fp8ref._env.
+    if not (os.environ.get(_PROFILE_VAR) or "").strip():
         return
     try:  # the plug-in loads in every pytest session where fp8ref is installed, with or without hypothesis
         from hypothesis import settings

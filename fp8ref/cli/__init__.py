@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "fp8ref.cli.conformance",
     "fp8ref.cli.audit",
     "fp8ref.cli.certify",
+    "fp8ref.cli.env",
 )
 
 
