@@ -19,6 +19,8 @@ never a backend module or anything above it; ``fp8ref.api`` (``fp8ref.linear``) 
   (``fp8ref.check.probe.PROBE_CHECKS``) on its problems; it compares nothing itself;
 - ``timing``: medians, the interleaved run-off, the selector's clock;
 - ``cache``: memory, disk and run-time failure marks;
+- ``trust``: whose cache files are read, and the seal on a probe's verdict (docs/selection.md,
+  "The cache's trust model");
 - ``selector``: candidates, the selection run, ``select`` and ``resolve``;
 - ``choose``: ``choose_backend``, the selection asked with tensors or shapes. Calling the package
   calls it: ``fp8ref.select(x, w)`` (the module object is callable, so the obvious name works
@@ -26,6 +28,9 @@ never a backend module or anything above it; ``fp8ref.api`` (``fp8ref.linear``) 
 
 Environment variables
 ---------------------
+Read through ``fp8ref._env`` (docs/environment.md: unset or blank is the default, any other value
+must parse or the read raises naming the variable).
+
 FP8REF_BACKEND
     Force this backend wherever ``backend="auto"`` (it must be able to run: otherwise the call
     raises; it never falls back silently).
@@ -36,7 +41,8 @@ FP8REF_ALLOW_BACKENDS
     Comma-separated names of entry-point backends "auto" may consider without ``candidates=``
     (``*``: all); by default an installed plug-in is usable by name only.
 FP8REF_CACHE_DIR
-    Directory of the on-disk cache (default ``~/.cache/fp8ref``).
+    Directory of the on-disk cache (default ``~/.cache/fp8ref``; ``~`` expanded). Refused (memory
+    only, one warning) when another user owns it or others can write it (``trust``).
 FP8REF_CACHE_LOCK_TIMEOUT
     Seconds a write waits for the cache's lock (default 10) before it proceeds without the disk
     cache, with one warning.
