@@ -192,15 +192,18 @@ def _tamper(key: str, **changes) -> None:
     ({"ranking": []}, "is not first of its ranking"),
 ])
 def test_disk_decision_is_rechecked(changes, why):
-    first = sel.select(CASE, candidates=["cpu-fp32"])
+    # torch-fast is a candidate (of class fast, so never chosen at "standard"): a file naming it is
+    # refused for its class; a backend outside the candidates is refused before (test_cache_trust.py).
+    cands = ["cpu-fp32", "torch-fast"]
+    first = sel.select(CASE, candidates=cands)
     assert first.source == "probe" and first.chosen == "cpu-fp32"
     _tamper(first.key, **changes)
     sel.clear_cache()  # a new process: memory empty, the file is what it finds
     with pytest.warns(UserWarning, match=f"ignoring the cached decision .*{why}"):
-        d = sel.select(CASE, candidates=["cpu-fp32"])
+        d = sel.select(CASE, candidates=cands)
     assert d.source == "probe" and d.chosen == "cpu-fp32"
     sel.clear_cache()
-    assert sel.select(CASE, candidates=["cpu-fp32"]).source == "disk"  # rebuilt and stored again
+    assert sel.select(CASE, candidates=cands).source == "disk"  # rebuilt and stored again
 
 
 # -- NaN/Inf in x: scanned by fp8ref.linear, or by a backend that declares it does --------------

@@ -149,7 +149,7 @@ def read_disk(path: Path, *, warn: bool) -> dict[str, Any] | None:
         return None
     except OSError as exc:
         if warn:
-            warnings.warn(f"fp8ref: cannot read selection cache {path}: {exc}; selecting without it", stacklevel=4)
+            _warn_once(f"read:{path}:{exc}", f"fp8ref: cannot read selection cache {path}: {exc}; selecting without it")
         return None
     try:
         data = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError: a corrupt file too
