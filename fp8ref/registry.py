@@ -12,7 +12,9 @@ selector's ``auto`` considers it only when the user allows it: by naming it in `
 or ``FP8REF_CANDIDATES``, or in the allow-list ``FP8REF_ALLOW_BACKENDS`` (``is_trusted``).
 
 The registry loads once per process, under a lock: every thread that asks for it waits until
-every shipped backend and entry point is registered, so no thread ever sees half of it.
+every shipped backend and entry point is registered, so no thread ever sees half of it. A load
+that is interrupted (``KeyboardInterrupt``) or fails is undone, so the next call loads afresh; a
+child forked during a load gets a fresh lock and loads again.
 """
 
 from __future__ import annotations
