@@ -17,15 +17,23 @@ write that fails (a full disk) raises ``OSError`` naming the path and the cause.
 
 Reading does not memory-map the file (safetensors' ``safe_open`` does): another program that
 rewrites a mapped file in place makes a read of it fault (SIGBUS) and kills the interpreter.
-``_Reader`` validates the header (offsets inside the file, sizes that match dtype and shape) and
-reads each tensor's bytes into memory of its own; a file whose size, inode or modification time
-changed by the end of the read raises ``CheckpointError`` instead of loading a mix of two files.
+``_Reader`` reads the whole file with plain reads and hands the bytes to the ``safetensors``
+package (``safetensors.deserialize``), so a file loads exactly when safetensors accepts it: its
+header rules (shapes lists of non-negative integers, known dtypes, the tensors tiling the data
+region in order with no hole, overlap, shared bytes or trailing byte, the 100 MB header cap, a
+nesting limit) are the ones applied, and its refusals are raised as ``CheckpointError`` naming
+the file, the tensor and the rule. On top, fp8ref refuses a key named twice (safetensors keeps
+the last entry when the bytes still tile), dtypes it cannot hold, a wrongly typed
+``quantization_config`` and E8M0 scales. The peak memory of a load is twice the file's size (its
+bytes, then each tensor's copy). A file whose size or modification time changed by the end of the
+load raises ``CheckpointError`` instead of loading a mix of two files.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
 from pathlib import Path
@@ -77,26 +85,45 @@ def compressed_tensors_config(ignore: list[str]) -> dict:
     }
 
 
-#: safetensors dtype names (the format's specification) and their torch dtypes.
+#: safetensors dtype names (the format's specification) and their torch dtypes; a name safetensors
+#: accepts but this table lacks (F4, F6_E2M3, C64, ...) is refused by name.
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-#: The largest header read (safetensors' own limit is 100 MB).
+if hasattr(torch, "float8_e8m0fnu"):  # torch >= 2.7: MX power-of-two scales
+    _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+#: safetensors' own cap on the header length (``MAX_HEADER_SIZE`` in its ``tensor.rs``).
 _MAX_HEADER = 100_000_000
+
+#: safetensors' error texts and the rule each one states, in the words of ``CheckpointError``.
+_ST_RULES = (
+    ("invalid offset for tensor", "its data_offsets break the rule that tensors tile the data region in "
+     "order, without holes or overlaps (two tensors sharing bytes included), each span exactly "
+     "dtype size x shape bytes"),
+    ("incomplete metadata, file not fully covered", "the tensors do not cover the data region exactly: "
+     "bytes after the last tensor, a hole, or a key named twice"),
+    ("overflow computing buffer size", "a shape whose element count overflows"),
+    ("invalid JSON in header", "the header is not a safetensors JSON header"),
+    ("invalid UTF-8 in header", "the header is not UTF-8"),
+)
 
 
 class _Reader:
-    """A safetensors file read with plain reads, never mapped: each tensor's bytes are copied into
-    a tensor of its own, so a concurrent rewrite of the file cannot fault this process."""
+    """A safetensors file read into memory with plain reads (never mapped: another program that
+    rewrites a mapped file in place makes the reader fault with SIGBUS) and parsed by the
+    ``safetensors`` package itself, so a file loads here exactly when safetensors accepts it;
+    fp8ref then refuses what its own layout rules forbid (a key named twice, which safetensors
+    resolves silently to the last entry when the bytes still tile)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        st = _safetensors("load_fp8_dynamic")
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise type(exc)(exc.errno, f"cannot open the checkpoint {path}: {exc.strerror}") from None
-        self._f = os.fdopen(fd, "rb", buffering=0)
+        self._fd = fd
         try:
             self._stat = os.fstat(fd)
             if not stat.S_ISREG(self._stat.st_mode):
@@ -104,47 +131,74 @@ class _Reader:
             size = self._stat.st_size
             if size < 8:
                 raise self._unreadable(f"{size} bytes, fewer than the 8 of a header length")
-            (n,) = struct.unpack("<Q", self._read(0, 8, "the header length"))
-            if n > min(_MAX_HEADER, size - 8):
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))
+            if n > _MAX_HEADER:
+                raise self._unreadable(f"header length {n} exceeds safetensors' cap of {_MAX_HEADER:,} bytes")
+            if n > size - 8:
                 raise self._unreadable(f"header length {n} does not fit in the file's {size} bytes")
-            try:
-                header = json.loads(self._read(8, n, "the header").decode("utf-8"))
-                if not isinstance(header, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                raise self._unreadable(f"header: {exc}") from None
-            meta = header.pop("__metadata__", None)
-            self._meta = meta if isinstance(meta, dict) else None
-            self._base, data_size = 8 + n, size - 8 - n
-            self._entries = {k: self._entry(k, v, data_size) for k, v in header.items()}
+            self._parse(st, self._read_all(fd, size), n)
         except BaseException:
-            self._f.close()
+            os.close(fd)
             raise
+
+    def _parse(self, st, data: bytes, n: int) -> None:
+        try:
+            flat = st.deserialize(data)  # the tensors' bytes, each copied into a bytearray of its own
+        except st.SafetensorError as exc:
+            raise self._refused(str(exc)) from None
+        self._meta = self._metadata(data[8:8 + n])
+        del data  # the file's bytes: the peak is twice the file, the steady state once
+        self._entries: dict[str, dict] = dict(flat)  # name -> {"dtype", "shape", "data": a bytearray}
+        for key, info in flat:
+            if info["dtype"] not in _ST_DTYPES:
+                raise self._unreadable(f"tensor {key!r} has dtype {info['dtype']}, which fp8ref does not load "
+                                       f"(it reads {', '.join(_ST_DTYPES)})")
+
+    def _read_all(self, fd: int, size: int) -> bytes:
+        chunks, got = [], 0
+        while got < size:
+            chunk = os.pread(fd, size - got, got)
+            if not chunk:
+                raise CheckpointError(f"{self.path}: short read ({got} of {size} bytes): the file was truncated "
+                                      "or is being rewritten")
+            chunks.append(chunk)
+            got += len(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _unreadable(self, detail: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: not a readable safetensors file ({detail})")
 
-    def _entry(self, key: str, info, data_size: int) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
-        try:
-            name, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            dtype = _ST_DTYPES[name]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise self._unreadable(f"tensor {key!r} has a malformed header entry: {exc!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if (any(d < 0 for d in shape) or not isinstance(begin, int) or not isinstance(end, int)
-                or not 0 <= begin <= end <= data_size or end - begin != numel * dtype.itemsize):
-            raise self._unreadable(f"tensor {key!r} ({name} {list(shape)}) has offsets [{begin}, {end}] that do "
-                                   "not fit its size or the file")
-        return name, dtype, shape, begin, end
+    def _refused(self, message: str) -> CheckpointError:
+        """safetensors' refusal as a ``CheckpointError`` naming the file, the tensor and the rule."""
+        detail = message.removeprefix("Error while deserializing: ")
+        tensor = re.search(r"`(.*)`$", detail)
+        for text, rule in _ST_RULES:
+            if detail.startswith(text):
+                where = f"tensor {tensor.group(1)!r}: " if tensor else ""
+                return self._unreadable(f"{where}{rule}; safetensors: {detail}")
+        return self._unreadable(f"safetensors: {detail}")
 
-    def _read(self, offset: int, n: int, what: str) -> bytes:
-        data = os.pread(self._f.fileno(), n, offset) if n else b""
-        if len(data) != n:
-            raise CheckpointError(f"{self.path}: short read of {what} ({len(data)} of {n} bytes): the file was "
-                                  "truncated or is being rewritten")
-        return data
+    def _metadata(self, header: bytes) -> dict | None:
+        """The header's ``__metadata__`` (string to string: safetensors checked it), read by a second
+        parse that also refuses a key named twice at the top level or in the metadata (safetensors
+        refuses a field named twice inside a tensor's entry itself)."""
+        try:  # objects as lists of pairs: built in C, no Python call per tensor
+            top = json.loads(header, object_pairs_hook=list)
+        except (ValueError, RecursionError) as exc:  # safetensors accepted it: a disagreement of parsers
+            raise self._unreadable(f"header: {type(exc).__name__}: {exc}") from None
+        self._once(top, "the header")
+        meta = next((v for k, v in top if k == "__metadata__"), None)
+        if meta is None:
+            return None
+        self._once(meta, "__metadata__")
+        return dict(meta)
+
+    def _once(self, items: list[tuple[str, object]], where: str) -> None:
+        if len({k for k, _ in items}) != len(items):
+            seen: set[str] = set()
+            dup = next(k for k, _ in items if k in seen or seen.add(k))
+            raise self._unreadable(f"the key {dup!r} is named twice in {where} (safetensors keeps the last "
+                                   "entry; a reader that keeps the first loads something else)")
 
     def metadata(self) -> dict | None:
         return self._meta
@@ -154,33 +208,30 @@ class _Reader:
 
     def dtype_name(self, key: str) -> str:
         """The tensor's safetensors dtype name (``F8_E4M3``, ``F32``, ...)."""
-        return self._entries[key][0]
+        return self._entries[key]["dtype"]
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        _, dtype, shape, begin, end = self._entries[key]
-        out = torch.empty(end - begin, dtype=torch.uint8)
-        if end > begin:
-            got = os.preadv(self._f.fileno(), [memoryview(out.numpy())], self._base + begin)
-            if got != end - begin:
-                raise CheckpointError(f"{self.path}: short read of {key} ({got} of {end - begin} bytes): the file "
-                                      "was truncated or is being rewritten")
-        return out.view(dtype).reshape(shape)
+        info = self._entries[key]
+        dtype, buf = _ST_DTYPES[info["dtype"]], info["data"]
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        # The bytes safetensors copied out for this tensor (a bytearray the tensor keeps alive): no copy.
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
     def check_unchanged(self) -> None:
-        """Raise ``CheckpointError`` if the file changed since it was opened (a rewrite in place)."""
-        now = os.stat(self.path)
-        then = self._stat
-        if (now.st_ino, now.st_size, now.st_mtime_ns) != (then.st_ino, then.st_size, then.st_mtime_ns):
-            fd_now = os.fstat(self._f.fileno())
-            if (fd_now.st_size, fd_now.st_mtime_ns) != (then.st_size, then.st_mtime_ns):
-                raise CheckpointError(f"{self.path} changed while it was being read (another program rewrote it); "
-                                      "nothing was loaded, read it again")
+        """Raise ``CheckpointError`` if the file was rewritten in place since it was opened (its size
+        or modification time changed); a file replaced by rename leaves the one read whole."""
+        now, then = os.fstat(self._fd), self._stat
+        if (now.st_size, now.st_mtime_ns) != (then.st_size, then.st_mtime_ns):
+            raise CheckpointError(f"{self.path} changed while it was being read (another program rewrote it); "
+                                  "nothing was loaded, read it again")
 
     def __enter__(self) -> _Reader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._f.close()
+        self._entries = {}
+        os.close(self._fd)
 
 
 def _check_layout(name: str, recipe: Recipe) -> None:
@@ -267,15 +318,42 @@ def save_fp8_dynamic(model: nn.Module, path: str | os.PathLike) -> dict:
     return cfg
 
 
+def _expect(value, types: tuple[type, ...], where: str, path) -> None:
+    """Refuse a ``quantization_config`` field of the wrong JSON type (``True`` is not a number)."""
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = " or ".join({dict: "an object", list: "a list", str: "a string", int: "an integer",
+                             bool: "true/false", type(None): "null"}[t] for t in types)
+        raise CheckpointError(f"{path}: quantization_config {where} is {json.dumps(value)[:80]}, expected {names}")
+
+
+#: The fields of a config group's ``weights`` / ``input_activations`` that fp8ref reads, and their types.
+_QUANT_FIELDS = {"type": (str,), "num_bits": (int,), "strategy": (str,), "dynamic": (bool,)}
+
+
 def _check_config(meta: dict[str, str] | None, path) -> None:
+    """Refuse a ``quantization_config`` that is not JSON, holds a field fp8ref reads in another
+    JSON type, or describes another layout than FP8_DYNAMIC."""
     if not meta or "quantization_config" not in meta:
         return
     try:
         cfg = json.loads(meta["quantization_config"])
-        groups = cfg.get("config_groups", {})
-    except (ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: unreadable quantization_config metadata: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise CheckpointError(f"{path}: quantization_config metadata is not JSON ({detail})") from None
+    _expect(cfg, (dict,), "(the whole value)", path)
+    groups = cfg.get("config_groups", {})
+    _expect(groups, (dict,), "config_groups", path)
+    if "ignore" in cfg:
+        _expect(cfg["ignore"], (list,), "ignore", path)
+        for i, item in enumerate(cfg["ignore"]):
+            _expect(item, (str,), f"ignore[{i}]", path)
     for gname, g in groups.items():
+        _expect(g, (dict,), f"config_groups.{gname}", path)
+        for part in ("weights", "input_activations"):
+            _expect(g.get(part), (dict, type(None)), f"config_groups.{gname}.{part}", path)
+            for key, types in _QUANT_FIELDS.items():
+                if key in (g.get(part) or {}):
+                    _expect(g[part][key], types, f"config_groups.{gname}.{part}.{key}", path)
         w, a = g.get("weights") or {}, g.get("input_activations") or {}
         if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") != "channel":
             raise CheckpointError(f"{path}: config group {gname!r} has weights {w}; FP8_DYNAMIC needs 8-bit float "
@@ -391,6 +469,9 @@ def _read_layer(f: _Reader, keys: set[str], name: str, mod: nn.Module, backend: 
         raise CheckpointError(f"{wk} has shape {tuple(w.shape)}, layer {name!r} needs [{N}, {K}]")
     if sk not in keys:
         raise CheckpointError(f"{wk} is F8_E4M3 but its scale {sk} is missing")
+    if f.dtype_name(sk) == "F8_E8M0":
+        raise CheckpointError(f"{sk} is F8_E8M0 (power-of-two MX block scales): the FP8_DYNAMIC layout stores "
+                              "one fp32/bf16/fp16 scale per output channel, and fp8ref loads no E8M0 scales")
     s = f.get_tensor(sk)
     if s.dtype not in _SCALE_DTYPES:
         raise CheckpointError(f"{sk} has dtype {s.dtype}; expected one of "
