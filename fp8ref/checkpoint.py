@@ -43,7 +43,7 @@ from torch import nn
 
 from ._io import atomic_write
 from ._version import __version__
-from .nn import Fp8Linear
+from .nn import Fp8Linear, _carry, _weight_readers
 from .spec.checks import check_codes, check_finite
 from .spec.formats import E4M3FN
 from .spec.quant import Quantized
@@ -423,18 +423,29 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
         raise ValueError(f"load_fp8_dynamic: the model's {on_meta} is on the meta device (built under "
                          "torch.device('meta')); fp8ref checks and keeps real tensors: materialise the model "
                          "first, e.g. model.to_empty(device='cpu')")
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))]
-    if any(not n for n, _ in layers):
+    uses: dict[int, tuple[nn.Module, list[str]]] = {}  # a layer used under several names is one layer
+    for n, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, (nn.Linear, Fp8Linear)):
+            uses.setdefault(id(m), (m, []))[1].append(n)
+    if any(not n for _, names in uses.values() for n in names):
         raise ValueError("load_fp8_dynamic needs a model containing linear layers, not a lone layer")
+    readers = _weight_readers(model)
     new: dict[str, Fp8Linear] = {}
     consumed: set[str] = set()
     with _Reader(path) as f:
         _check_config(f.metadata(), path)
         keys = f.keys()
-        for name, mod in layers:
-            layer = _read_layer(f, keys, name, mod, backend, precision, strict, consumed)
-            if layer is not None:
-                new[name] = layer
+        for key, (mod, names) in uses.items():
+            layer = _read_layer(f, keys, names[0], mod, backend, precision, strict, consumed)
+            if layer is None:
+                continue
+            if key in readers:
+                raise CheckpointError(f"{names[0]}.weight is F8_E4M3 but layer {names[0]!r} is {readers[key]}: an "
+                                      "Fp8Linear there would be handed FP8 codes")
+            _carry(mod, layer)
+            for alias in names[1:]:
+                _check_alias(f, keys, names[0], alias, consumed)
+            new.update(dict.fromkeys(names, layer))
         rest = {k: f.get_tensor(k) for k in keys - consumed}
         f.check_unchanged()
     _check_rest(model, path, rest, set(new), consumed, strict)
@@ -444,6 +455,21 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     model.load_state_dict(rest, strict=False)
     return list(new)
+
+
+def _check_alias(f: _Reader, keys: set[str], name: str, alias: str, consumed: set[str]) -> None:
+    """The model uses one layer under ``name`` and ``alias``: the file's tensors for ``alias`` (a
+    copy, as ``save_fp8_dynamic`` stores tied tensors) must be byte-equal to those of ``name``."""
+    for suffix in ("weight", "weight_scale", "bias"):
+        a, b = f"{name}.{suffix}", f"{alias}.{suffix}"
+        if b not in keys:
+            continue
+        ta, tb = (f.get_tensor(a) if a in keys else None), f.get_tensor(b)
+        if (ta is None or ta.dtype != tb.dtype or ta.shape != tb.shape
+                or not torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))):
+            raise CheckpointError(f"the model uses one layer as {name!r} and {alias!r}, but the checkpoint's {b} "
+                                  f"differs from {a}")
+        consumed.add(b)
 
 
 def _read_layer(f: _Reader, keys: set[str], name: str, mod: nn.Module, backend: str, precision: str, strict: bool,

@@ -373,10 +373,9 @@ def _custom_reason(mod: nn.Linear) -> str | None:
     return None
 
 
-def _plan(model: nn.Module, skip: tuple[str, ...], custom: bool) -> tuple[dict[int, list[str]], dict[int, str]]:
-    """Every ``nn.Linear`` of ``model`` by identity with all its names (a layer used in two places
-    has two), and the reason for each one left as it is."""
-    names: dict[int, list[str]] = {}
+def _weight_readers(model: nn.Module) -> dict[int, str]:
+    """The ``nn.Linear`` layers of ``model`` that a parent uses by their weight (``_READS_WEIGHTS``),
+    by identity, each with the reason."""
     reasons: dict[int, str] = {}
     for parent_name, parent in model.named_modules(remove_duplicate=False):
         why = next((w for cls, w in _READS_WEIGHTS.items() if isinstance(parent, cls)), None)
@@ -385,6 +384,22 @@ def _plan(model: nn.Module, skip: tuple[str, ...], custom: bool) -> tuple[dict[i
                 if isinstance(child, nn.Linear):
                     reasons[id(child)] = (f"a layer of {type(parent).__name__} {parent_name or '(the model)'!r}, "
                                           f"which {why}")
+    return reasons
+
+
+def _carry(old: nn.Module, new: Fp8Linear) -> None:
+    """Give ``new`` the hooks and train/eval mode of the layer it replaces."""
+    new.train(old.training)
+    for table in _CARRIED_HOOKS:
+        if hasattr(old, table):
+            new.__dict__[table] = getattr(old, table)
+
+
+def _plan(model: nn.Module, skip: tuple[str, ...], custom: bool) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """Every ``nn.Linear`` of ``model`` by identity with all its names (a layer used in two places
+    has two), and the reason for each one left as it is."""
+    names: dict[int, list[str]] = {}
+    reasons = _weight_readers(model)
     for name, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, nn.Linear) and not isinstance(mod, Fp8Linear):
             names.setdefault(id(mod), []).append(name)
@@ -489,10 +504,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
             kind = TypeError if isinstance(exc, TypeError) else ValueError
             raise kind(f"quantize_model: layer {where[0]!r} cannot be quantized ({exc}); the model is left "
                        "unchanged") from exc
-        q.train(mod.training)
-        for table in _CARRIED_HOOKS:
-            if hasattr(mod, table):
-                q.__dict__[table] = getattr(mod, table)
+        _carry(mod, q)
         new[key] = (mod, q)
     # Every layer quantized: only now is the model changed (setattr on a module does not fail).
     for key, (mod, q) in new.items():

@@ -177,7 +177,7 @@ def test_a_cast_of_the_quantized_model_keeps_codes_and_scales(cast, dtype):
     scales = [m[i].weight_scale.clone() for i in (0, 2)]
     bias = m[0].bias.detach().clone()
     cast(m)
-    for i, c, s in zip((0, 2), codes, scales):
+    for i, c, s in zip((0, 2), codes, scales, strict=True):
         assert m[i].weight.dtype == torch.float8_e4m3fn and torch.equal(m[i].weight.view(torch.uint8),
                                                                          c.view(torch.uint8))
         assert m[i].weight_scale.dtype == torch.float32 and torch.equal(m[i].weight_scale, s)
@@ -188,3 +188,45 @@ def test_a_cast_of_the_quantized_model_keeps_codes_and_scales(cast, dtype):
     assert y.dtype == dtype
     h = torch.relu(fp8ref.linear(x, m[0].quantized_weight(), m[0].bias, backend="reference"))
     assert torch.equal(y, fp8ref.linear(h, m[2].quantized_weight(), None, backend="reference", out_dtype=dtype))
+
+
+def test_load_fp8_dynamic_keeps_a_shared_layer_shared_and_its_hooks(tmp_path):
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    m = nn.Sequential(lin, nn.ReLU(), lin)
+    _q(m)
+    p = tmp_path / "shared.safetensors"
+    fp8ref.save_fp8_dynamic(m, p)
+    fresh_lin = nn.Linear(8, 8)
+    fresh = nn.Sequential(fresh_lin, nn.ReLU(), fresh_lin)
+    calls = []
+    fresh_lin.register_forward_hook(lambda mod, args, out: calls.append(1))
+    assert fp8ref.load_fp8_dynamic(fresh, p, backend="reference") == ["0", "2"]
+    assert type(fresh[0]) is fp8ref.Fp8Linear and fresh[0] is fresh[2]
+    x = torch.randn(2, 8)
+    assert torch.equal(fresh(x), m(x)) and calls == [1, 1]
+
+
+def test_load_fp8_dynamic_refuses_a_shared_layer_with_two_different_weights(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    _q(m)
+    p = tmp_path / "two.safetensors"
+    fp8ref.save_fp8_dynamic(m, p)
+    lin = nn.Linear(8, 8)
+    with pytest.raises(fp8ref.CheckpointError, match=r"one layer as '0' and '2', but the checkpoint's 2\.weight "
+                                                     r"differs from 0\.weight"):
+        fp8ref.load_fp8_dynamic(nn.Sequential(lin, nn.ReLU(), lin), p)
+
+
+def test_load_fp8_dynamic_refuses_an_fp8_weight_for_attention_projections(tmp_path):
+    torch.manual_seed(0)
+    src = nn.ModuleDict({"attn": nn.ModuleDict({"out_proj": nn.Linear(16, 16)})})
+    _q(src)
+    p = tmp_path / "attn.safetensors"
+    fp8ref.save_fp8_dynamic(src, p)
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(16, 2, bias=False)})
+    with pytest.raises(fp8ref.CheckpointError, match=r"attn\.out_proj\.weight is F8_E4M3 but layer 'attn\.out_proj' "
+                                                     r"is a layer of MultiheadAttention 'attn'"):
+        fp8ref.load_fp8_dynamic(model, p, strict=False)
+    assert type(model["attn"].out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
