@@ -200,7 +200,8 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
     """Load an FP8_DYNAMIC checkpoint into ``model``, in place.
 
     Every ``nn.Linear`` (or ``Fp8Linear``) ``m`` whose ``<m>.weight`` is F8_E4M3 in the file
-    becomes an ``Fp8Linear`` holding those codes and ``<m>.weight_scale``; every other tensor is
+    becomes an ``Fp8Linear`` holding those codes and ``<m>.weight_scale`` (one ``Fp8Linear`` under
+    every name of a layer the model uses twice, with the layer's hooks); every other tensor is
     loaded as usual. ``model`` is the unquantized architecture (e.g. built from its config) or
     an already quantized one.
 
@@ -225,7 +226,12 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
         wrong shape (not ``[N, 1]``), dtype (not fp32/bf16/fp16) or value (non-finite or <= 0), a
         weight of the wrong shape or dtype or holding NaN codes (0x7F, 0xFF), a bias of the wrong
         shape or dtype or holding NaN/Inf, a static ``input_scale``, any other tensor whose shape
-        is not the model's; naming the file: one that is not a readable safetensors file.
+        is not the model's, an FP8 weight for a layer that attention reads by its weight, a layer
+        used under two names with two different tensors; naming the file: one that safetensors
+        refuses (named with its tensor and the rule: shapes not lists of non-negative integers,
+        holes, overlaps, shared or trailing bytes, the 100 MB header cap, a nesting limit), a key
+        named twice, a dtype fp8ref cannot hold, a ``quantization_config`` that is not JSON or holds
+        a wrongly typed field, E8M0 weight scales.
 
     Notes
     -----
