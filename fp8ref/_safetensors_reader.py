@@ -134,8 +134,14 @@ class _Reader:
         """The header's ``__metadata__`` (string to string: safetensors checked it), read by a second
         parse that also refuses a key named twice at the top level or in the metadata (safetensors
         refuses a field named twice inside a tensor's entry itself)."""
-        try:  # objects as lists of pairs: built in C, no Python call per tensor
-            top = json.loads(header, object_pairs_hook=list)
+        def pairs(items: list[tuple[str, object]]) -> tuple | None:
+            for _, value in items:
+                if type(value) is list:  # a tensor's entry (shape, data_offsets): safetensors gave its fields
+                    return None
+            return tuple(items)  # the metadata, or the top level
+
+        try:
+            top = json.loads(header, object_pairs_hook=pairs)
         except (ValueError, RecursionError) as exc:  # safetensors accepted it: a disagreement of parsers
             raise self._unreadable(f"header: {type(exc).__name__}: {exc}") from None
         self._once(top, "the header")
@@ -145,7 +151,7 @@ class _Reader:
         self._once(meta, "__metadata__")
         return dict(meta)
 
-    def _once(self, items: list[tuple[str, object]], where: str) -> None:
+    def _once(self, items: tuple[tuple[str, object], ...], where: str) -> None:
         if len({k for k, _ in items}) != len(items):
             seen: set[str] = set()
             dup = next(k for k, _ in items if k in seen or seen.add(k))
@@ -167,6 +173,8 @@ class _Reader:
         dtype, buf = _ST_DTYPES[info["dtype"]], info["data"]
         if not buf:
             return torch.empty(info["shape"], dtype=dtype)
+        if not isinstance(buf, bytearray):  # older safetensors return read-only bytes
+            buf = info["data"] = bytearray(buf)
         # The bytes safetensors copied out for this tensor (a bytearray the tensor keeps alive): no copy.
         return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
