@@ -8,8 +8,9 @@ tests/test_layout.py checks all three.
 - ``fp8ref.spec``: the spec (formats, schemes, the reference quantizer, the exact scaled GEMM,
   the derived error bounds); docs/spec.md is the same contract in prose. Beside it, the
   helpers ``_machine`` (CPU detection), ``_io`` (atomic writes), ``_progress`` (progress bars),
-  ``_version`` (the package's version, which modules below this face read instead of the face) and
-  ``_env`` (every ``FP8REF_*`` environment variable, read and checked by one rule).
+  ``_version`` (the package's version, which modules below this face read instead of the face),
+  ``_env`` (every ``FP8REF_*`` environment variable, read and checked by one rule) and
+  ``_safetensors_reader`` (safetensors files read without a memory map, parsed by safetensors).
 - ``fp8ref.registry``: the backend API (``Backend``, ``Case``) and the registry of backends.
 - ``fp8ref.check``: the checking core -- the conformance contracts' problems and checks (a
   backend and a problem in, the worst error/bound ratio or a located violation out), which the
@@ -18,10 +19,10 @@ tests/test_layout.py checks all three.
   ``python -m fp8ref.kernels.build``).
 - ``fp8ref.select``: the selector behind ``backend="auto"`` (compliance probe, timing, caches).
 - ``fp8ref.weightcheck``: how a cached weight's change is noticed (``weight_check``).
-- ``fp8ref.api``, ``fp8ref.ops``, ``fp8ref.nn``, ``fp8ref.checkpoint``: ``fp8ref.linear``, the
-  same as the custom operator ``torch.ops.fp8ref.linear`` (for ``torch.compile`` and
-  ``torch.export``), ``Fp8Linear`` and ``quantize_model``, FP8 checkpoints; then this face, which
-  re-exports the public API.
+- ``fp8ref.api``, ``fp8ref.ops``, ``fp8ref.nn``, ``fp8ref.surgery``, ``fp8ref.checkpoint``:
+  ``fp8ref.linear``, the same as the custom operator ``torch.ops.fp8ref.linear`` (for
+  ``torch.compile`` and ``torch.export``), ``Fp8Linear``, ``quantize_model``, FP8 checkpoints;
+  then this face, which re-exports the public API.
 - ``fp8ref.conformance``: the referee (the contract table, Hypothesis search, sweeps, reports;
   the checks themselves are ``fp8ref.check``'s).
 - ``fp8ref.peers``: adapters that put real third-party FP8 code (SGLang, vLLM, onnxruntime,
@@ -38,7 +39,7 @@ tests/test_layout.py checks all three.
 from ._version import __version__ as __version__  # re-exported: the package's version
 from .api import explain, linear, reference_linear
 from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
-from .nn import Fp8Linear, QuantizeSummary, quantize_model
+from .nn import Fp8Linear
 from .registry import (
     PROPAGATE,
     RAISE,
@@ -80,6 +81,7 @@ from .spec.schemes import (
     Recipe,
     get_recipe,
 )
+from .surgery import QuantizeSummary, quantize_model
 
 #: Modules that moved when the tree was split by layer (fp8ref 0.1 layout): importing an old
 #: name still works, returns the new module and warns once (DeprecationWarning); it goes in 0.3.

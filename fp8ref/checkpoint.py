@@ -17,37 +17,40 @@ write that fails (a full disk) raises ``OSError`` naming the path and the cause.
 
 Reading does not memory-map the file (safetensors' ``safe_open`` does): another program that
 rewrites a mapped file in place makes a read of it fault (SIGBUS) and kills the interpreter.
-``_Reader`` validates the header (offsets inside the file, sizes that match dtype and shape) and
-reads each tensor's bytes into memory of its own; a file whose size, inode or modification time
-changed by the end of the read raises ``CheckpointError`` instead of loading a mix of two files.
+``_Reader`` reads the whole file with plain reads and hands the bytes to the ``safetensors``
+package (``safetensors.deserialize``), so a file loads exactly when safetensors accepts it: its
+header rules (shapes lists of non-negative integers, known dtypes, the tensors tiling the data
+region in order with no hole, overlap, shared bytes or trailing byte, the 100 MB header cap, a
+nesting limit) are the ones applied, and its refusals are raised as ``CheckpointError`` naming
+the file, the tensor and the rule. On top, fp8ref refuses a key named twice (safetensors keeps
+the last entry when the bytes still tile), dtypes it cannot hold, a wrongly typed
+``quantization_config`` and E8M0 scales. The peak memory of a load is twice the file's size (its
+bytes, then each tensor's copy). A file whose size or modification time changed by the end of the
+load raises ``CheckpointError`` instead of loading a mix of two files.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import stat
-import struct
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ._io import atomic_write
+from ._safetensors_reader import CheckpointError, _Reader, _safetensors
 from ._version import __version__
 from .nn import Fp8Linear
 from .spec.checks import check_codes, check_finite
 from .spec.formats import E4M3FN
 from .spec.quant import Quantized
 from .spec.schemes import FP8_DYNAMIC, Granularity, Recipe
+from .surgery import _carry, _weight_readers
 
 __all__ = ["save_fp8_dynamic", "load_fp8_dynamic", "compressed_tensors_config", "CheckpointError"]
 
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint tensor is missing, mis-shaped or wrongly typed (the message names it)."""
 
 
 def compressed_tensors_config(ignore: list[str]) -> dict:
@@ -77,112 +80,6 @@ def compressed_tensors_config(ignore: list[str]) -> dict:
     }
 
 
-#: safetensors dtype names (the format's specification) and their torch dtypes.
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-#: The largest header read (safetensors' own limit is 100 MB).
-_MAX_HEADER = 100_000_000
-
-
-class _Reader:
-    """A safetensors file read with plain reads, never mapped: each tensor's bytes are copied into
-    a tensor of its own, so a concurrent rewrite of the file cannot fault this process."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise type(exc)(exc.errno, f"cannot open the checkpoint {path}: {exc.strerror}") from None
-        self._f = os.fdopen(fd, "rb", buffering=0)
-        try:
-            self._stat = os.fstat(fd)
-            if not stat.S_ISREG(self._stat.st_mode):
-                raise CheckpointError(f"{path} is not a regular file (mode {stat.filemode(self._stat.st_mode)})")
-            size = self._stat.st_size
-            if size < 8:
-                raise self._unreadable(f"{size} bytes, fewer than the 8 of a header length")
-            (n,) = struct.unpack("<Q", self._read(0, 8, "the header length"))
-            if n > min(_MAX_HEADER, size - 8):
-                raise self._unreadable(f"header length {n} does not fit in the file's {size} bytes")
-            try:
-                header = json.loads(self._read(8, n, "the header").decode("utf-8"))
-                if not isinstance(header, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                raise self._unreadable(f"header: {exc}") from None
-            meta = header.pop("__metadata__", None)
-            self._meta = meta if isinstance(meta, dict) else None
-            self._base, data_size = 8 + n, size - 8 - n
-            self._entries = {k: self._entry(k, v, data_size) for k, v in header.items()}
-        except BaseException:
-            self._f.close()
-            raise
-
-    def _unreadable(self, detail: str) -> CheckpointError:
-        return CheckpointError(f"{self.path}: not a readable safetensors file ({detail})")
-
-    def _entry(self, key: str, info, data_size: int) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
-        try:
-            name, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            dtype = _ST_DTYPES[name]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise self._unreadable(f"tensor {key!r} has a malformed header entry: {exc!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if (any(d < 0 for d in shape) or not isinstance(begin, int) or not isinstance(end, int)
-                or not 0 <= begin <= end <= data_size or end - begin != numel * dtype.itemsize):
-            raise self._unreadable(f"tensor {key!r} ({name} {list(shape)}) has offsets [{begin}, {end}] that do "
-                                   "not fit its size or the file")
-        return name, dtype, shape, begin, end
-
-    def _read(self, offset: int, n: int, what: str) -> bytes:
-        data = os.pread(self._f.fileno(), n, offset) if n else b""
-        if len(data) != n:
-            raise CheckpointError(f"{self.path}: short read of {what} ({len(data)} of {n} bytes): the file was "
-                                  "truncated or is being rewritten")
-        return data
-
-    def metadata(self) -> dict | None:
-        return self._meta
-
-    def keys(self) -> set[str]:
-        return set(self._entries)
-
-    def dtype_name(self, key: str) -> str:
-        """The tensor's safetensors dtype name (``F8_E4M3``, ``F32``, ...)."""
-        return self._entries[key][0]
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        _, dtype, shape, begin, end = self._entries[key]
-        out = torch.empty(end - begin, dtype=torch.uint8)
-        if end > begin:
-            got = os.preadv(self._f.fileno(), [memoryview(out.numpy())], self._base + begin)
-            if got != end - begin:
-                raise CheckpointError(f"{self.path}: short read of {key} ({got} of {end - begin} bytes): the file "
-                                      "was truncated or is being rewritten")
-        return out.view(dtype).reshape(shape)
-
-    def check_unchanged(self) -> None:
-        """Raise ``CheckpointError`` if the file changed since it was opened (a rewrite in place)."""
-        now = os.stat(self.path)
-        then = self._stat
-        if (now.st_ino, now.st_size, now.st_mtime_ns) != (then.st_ino, then.st_size, then.st_mtime_ns):
-            fd_now = os.fstat(self._f.fileno())
-            if (fd_now.st_size, fd_now.st_mtime_ns) != (then.st_size, then.st_mtime_ns):
-                raise CheckpointError(f"{self.path} changed while it was being read (another program rewrote it); "
-                                      "nothing was loaded, read it again")
-
-    def __enter__(self) -> _Reader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._f.close()
-
-
 def _check_layout(name: str, recipe: Recipe) -> None:
     w, a = recipe.weight, recipe.activation
     ok = (w.format == E4M3FN and w.granularity is Granularity.ROW and w.qmax == E4M3FN.max
@@ -190,20 +87,6 @@ def _check_layout(name: str, recipe: Recipe) -> None:
     if not ok:
         raise ValueError(f"layer {name!r} uses recipe {recipe.short_str()}; the FP8_DYNAMIC layout holds "
                          "e4m3fn per-channel weights with dynamic per-token e4m3fn activations")
-
-
-def _safetensors(what: str):
-    """The ``safetensors`` package (a core dependency), or an ImportError that says how to get it
-    (an environment installed before it was one, or with ``--no-deps``)."""
-    try:
-        import safetensors
-        import safetensors.torch
-    except ImportError as exc:
-        raise ModuleNotFoundError(f"{what} reads and writes .safetensors files and needs the safetensors package, "
-                                  "a dependency of fp8ref that this environment lacks: pip install "
-                                  "'safetensors>=0.4' (or reinstall fp8ref without --no-deps)",
-                                  name="safetensors") from exc
-    return safetensors
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -267,15 +150,42 @@ def save_fp8_dynamic(model: nn.Module, path: str | os.PathLike) -> dict:
     return cfg
 
 
+def _expect(value, types: tuple[type, ...], where: str, path) -> None:
+    """Refuse a ``quantization_config`` field of the wrong JSON type (``True`` is not a number)."""
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = " or ".join({dict: "an object", list: "a list", str: "a string", int: "an integer",
+                             bool: "true/false", type(None): "null"}[t] for t in types)
+        raise CheckpointError(f"{path}: quantization_config {where} is {json.dumps(value)[:80]}, expected {names}")
+
+
+#: The fields of a config group's ``weights`` / ``input_activations`` that fp8ref reads, and their types.
+_QUANT_FIELDS = {"type": (str,), "num_bits": (int,), "strategy": (str,), "dynamic": (bool,)}
+
+
 def _check_config(meta: dict[str, str] | None, path) -> None:
+    """Refuse a ``quantization_config`` that is not JSON, holds a field fp8ref reads in another
+    JSON type, or describes another layout than FP8_DYNAMIC."""
     if not meta or "quantization_config" not in meta:
         return
     try:
         cfg = json.loads(meta["quantization_config"])
-        groups = cfg.get("config_groups", {})
-    except (ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: unreadable quantization_config metadata: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise CheckpointError(f"{path}: quantization_config metadata is not JSON ({detail})") from None
+    _expect(cfg, (dict,), "(the whole value)", path)
+    groups = cfg.get("config_groups", {})
+    _expect(groups, (dict,), "config_groups", path)
+    if "ignore" in cfg:
+        _expect(cfg["ignore"], (list,), "ignore", path)
+        for i, item in enumerate(cfg["ignore"]):
+            _expect(item, (str,), f"ignore[{i}]", path)
     for gname, g in groups.items():
+        _expect(g, (dict,), f"config_groups.{gname}", path)
+        for part in ("weights", "input_activations"):
+            _expect(g.get(part), (dict, type(None)), f"config_groups.{gname}.{part}", path)
+            for key, types in _QUANT_FIELDS.items():
+                if key in (g.get(part) or {}):
+                    _expect(g[part][key], types, f"config_groups.{gname}.{part}.{key}", path)
         w, a = g.get("weights") or {}, g.get("input_activations") or {}
         if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") != "channel":
             raise CheckpointError(f"{path}: config group {gname!r} has weights {w}; FP8_DYNAMIC needs 8-bit float "
@@ -290,7 +200,8 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
     """Load an FP8_DYNAMIC checkpoint into ``model``, in place.
 
     Every ``nn.Linear`` (or ``Fp8Linear``) ``m`` whose ``<m>.weight`` is F8_E4M3 in the file
-    becomes an ``Fp8Linear`` holding those codes and ``<m>.weight_scale``; every other tensor is
+    becomes an ``Fp8Linear`` holding those codes and ``<m>.weight_scale`` (one ``Fp8Linear`` under
+    every name of a layer the model uses twice, with the layer's hooks); every other tensor is
     loaded as usual. ``model`` is the unquantized architecture (e.g. built from its config) or
     an already quantized one.
 
@@ -315,7 +226,12 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
         wrong shape (not ``[N, 1]``), dtype (not fp32/bf16/fp16) or value (non-finite or <= 0), a
         weight of the wrong shape or dtype or holding NaN codes (0x7F, 0xFF), a bias of the wrong
         shape or dtype or holding NaN/Inf, a static ``input_scale``, any other tensor whose shape
-        is not the model's; naming the file: one that is not a readable safetensors file.
+        is not the model's, an FP8 weight for a layer that attention reads by its weight, a layer
+        used under two names with two different tensors; naming the file: one that safetensors
+        refuses (named with its tensor and the rule: shapes not lists of non-negative integers,
+        holes, overlaps, shared or trailing bytes, the 100 MB header cap, a nesting limit), a key
+        named twice, a dtype fp8ref cannot hold, a ``quantization_config`` that is not JSON or holds
+        a wrongly typed field, E8M0 weight scales.
 
     Notes
     -----
@@ -345,18 +261,29 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
         raise ValueError(f"load_fp8_dynamic: the model's {on_meta} is on the meta device (built under "
                          "torch.device('meta')); fp8ref checks and keeps real tensors: materialise the model "
                          "first, e.g. model.to_empty(device='cpu')")
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))]
-    if any(not n for n, _ in layers):
+    uses: dict[int, tuple[nn.Module, list[str]]] = {}  # a layer used under several names is one layer
+    for n, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, (nn.Linear, Fp8Linear)):
+            uses.setdefault(id(m), (m, []))[1].append(n)
+    if any(not n for _, names in uses.values() for n in names):
         raise ValueError("load_fp8_dynamic needs a model containing linear layers, not a lone layer")
+    readers = _weight_readers(model)
     new: dict[str, Fp8Linear] = {}
     consumed: set[str] = set()
     with _Reader(path) as f:
         _check_config(f.metadata(), path)
         keys = f.keys()
-        for name, mod in layers:
-            layer = _read_layer(f, keys, name, mod, backend, precision, strict, consumed)
-            if layer is not None:
-                new[name] = layer
+        for key, (mod, names) in uses.items():
+            layer = _read_layer(f, keys, names[0], mod, backend, precision, strict, consumed)
+            if layer is None:
+                continue
+            if key in readers:
+                raise CheckpointError(f"{names[0]}.weight is F8_E4M3 but layer {names[0]!r} is {readers[key]}: an "
+                                      "Fp8Linear there would be handed FP8 codes")
+            _carry(mod, layer)
+            for alias in names[1:]:
+                _check_alias(f, keys, names[0], alias, consumed)
+            new.update(dict.fromkeys(names, layer))
         rest = {k: f.get_tensor(k) for k in keys - consumed}
         f.check_unchanged()
     _check_rest(model, path, rest, set(new), consumed, strict)
@@ -366,6 +293,21 @@ def load_fp8_dynamic(model: nn.Module, path: str | os.PathLike, *, backend: str 
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     model.load_state_dict(rest, strict=False)
     return list(new)
+
+
+def _check_alias(f: _Reader, keys: set[str], name: str, alias: str, consumed: set[str]) -> None:
+    """The model uses one layer under ``name`` and ``alias``: the file's tensors for ``alias`` (a
+    copy, as ``save_fp8_dynamic`` stores tied tensors) must be byte-equal to those of ``name``."""
+    for suffix in ("weight", "weight_scale", "bias"):
+        a, b = f"{name}.{suffix}", f"{alias}.{suffix}"
+        if b not in keys:
+            continue
+        ta, tb = (f.get_tensor(a) if a in keys else None), f.get_tensor(b)
+        if (ta is None or ta.dtype != tb.dtype or ta.shape != tb.shape
+                or not torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))):
+            raise CheckpointError(f"the model uses one layer as {name!r} and {alias!r}, but the checkpoint's {b} "
+                                  f"differs from {a}")
+        consumed.add(b)
 
 
 def _read_layer(f: _Reader, keys: set[str], name: str, mod: nn.Module, backend: str, precision: str, strict: bool,
@@ -391,6 +333,9 @@ def _read_layer(f: _Reader, keys: set[str], name: str, mod: nn.Module, backend: 
         raise CheckpointError(f"{wk} has shape {tuple(w.shape)}, layer {name!r} needs [{N}, {K}]")
     if sk not in keys:
         raise CheckpointError(f"{wk} is F8_E4M3 but its scale {sk} is missing")
+    if f.dtype_name(sk) == "F8_E8M0":
+        raise CheckpointError(f"{sk} is F8_E8M0 (power-of-two MX block scales): the FP8_DYNAMIC layout stores "
+                              "one fp32/bf16/fp16 scale per output channel, and fp8ref loads no E8M0 scales")
     s = f.get_tensor(sk)
     if s.dtype not in _SCALE_DTYPES:
         raise CheckpointError(f"{sk} has dtype {s.dtype}; expected one of "

@@ -1,17 +1,16 @@
-"""Online FP8 quantization of models: ``Fp8Linear`` and ``quantize_model``.
+"""Online FP8 quantization of a layer: ``Fp8Linear``.
 
 ``Fp8Linear`` stores the weight once as FP8 codes plus dequantization scales (buffers ``weight``
 and ``weight_scale``, the compressed-tensors names), keeps the bias as it was, and runs
 ``fp8ref.linear`` in ``forward`` (backend "auto" by default: the fastest compliant backend).
-``quantize_model`` swaps every ``nn.Linear`` of a model for one, in place.
+``fp8ref.surgery.quantize_model`` swaps every ``nn.Linear`` of a model for one, in place.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 from .weightcheck import ENV_WEIGHT_CHECK, MemorySample, tensor_version
 
-__all__ = ["Fp8Linear", "QuantizeSummary", "quantize_model"]
+__all__ = ["Fp8Linear"]
 
 
 class Fp8Linear(nn.Module):
@@ -259,6 +258,30 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.quantized_weight().dequantize(dtype)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ``.float()``, ``.cuda()``... with the FP8 codes and scales kept.
+
+        A conversion that would change the dtype of ``weight`` or ``weight_scale`` (a cast of the
+        whole model: ``model.half()``, ``model.to(torch.bfloat16)``) moves them to the device it
+        asks for and leaves their dtype alone: the layer stays the same FP8 layer. The bias is cast,
+        and an explicit ``out_dtype`` follows the cast (with ``out_dtype=None`` the output already
+        follows the input). Device moves and dtype-preserving conversions apply as usual.
+        """
+        codes, scale = self._buffers.get("weight"), self._buffers.get("weight_scale")
+
+        def keep_formats(t: torch.Tensor) -> torch.Tensor:
+            if t is codes or t is scale:
+                target = fn(torch.empty(0, dtype=t.dtype, device=t.device))  # where and as what fn sends t
+                if target.dtype != t.dtype:
+                    return t.to(device=target.device)
+            return fn(t)
+
+        if self.out_dtype is not None and self.out_dtype.is_floating_point:
+            target = fn(torch.empty(0, dtype=self.out_dtype))
+            if target.dtype.is_floating_point and target.dtype.itemsize > 1:
+                self.out_dtype = target.dtype
+        return super()._apply(keep_formats, recurse)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe={self.recipe.name}, backend={self.backend!r}, precision={self.precision!r}")
@@ -277,118 +300,3 @@ class _Bound:
     out_dtype: torch.dtype
     bias: Any
     sample: MemorySample | None
-
-
-@dataclass
-class QuantizeSummary:
-    """What ``quantize_model`` did."""
-
-    layers: int  #: nn.Linear modules replaced
-    parameters: int  #: weight elements quantized
-    bytes_before: int  #: bytes of the model's parameters and buffers before
-    bytes_after: int  #: and after
-    quantized: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        ratio = self.bytes_after / self.bytes_before if self.bytes_before else float("nan")
-        return (f"quantized {self.layers} linear layers ({self.parameters:,} weights), skipped "
-                f"{len(self.skipped)}; model {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB "
-                f"({ratio:.2f}x)")
-
-
-def _model_bytes(model: nn.Module) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _skipped(name: str, skip: tuple[str, ...]) -> bool:
-    for pat in skip:
-        if name == pat or name.endswith("." + pat) or fnmatch.fnmatchcase(name, pat):
-            return True
-    return False
-
-
-def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tuple[str, ...] | list[str] = ("lm_head",),
-                   backend: str = "auto", precision: str = "standard", *,
-                   candidates: Sequence[str] | None = None,
-                   weight_check: str | None = None) -> QuantizeSummary:
-    """Swap every ``nn.Linear`` of ``model`` for an ``Fp8Linear``, in place (weights quantized once).
-
-    All or nothing: every layer is quantized first, and the model is changed only when all of
-    them are; a layer that cannot be quantized (a NaN/Inf weight or bias, a weight of another
-    dtype) raises, naming it, and leaves the model as it was.
-
-    Parameters
-    ----------
-    model : nn.Module
-    recipe : Recipe or str
-        Default ``W8A8_FP8``.
-    skip : sequence of str
-        Module names left as they are: an exact name, a dotted suffix (``"lm_head"`` matches
-        ``"model.lm_head"``) or an ``fnmatch`` pattern (``"*.gate"``).
-    backend, precision : str
-        Passed to every ``Fp8Linear``.
-    candidates, weight_check : optional
-        Passed to every ``Fp8Linear`` (see ``fp8ref.linear``).
-
-    Returns
-    -------
-    QuantizeSummary
-        Layers replaced, weights quantized, bytes before and after, names.
-
-    Raises
-    ------
-    ValueError, TypeError
-        ``quantize_model: layer 'name' ...``: the first layer that cannot be quantized, and why.
-
-    Examples
-    --------
-    >>> import torch, fp8ref
-    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    >>> s = fp8ref.quantize_model(m)
-    >>> s.layers, type(m[0]).__name__
-    (2, 'Fp8Linear')
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"quantize_model expects an nn.Module, got {type(model).__name__}")
-    if isinstance(skip, str):
-        skip = (skip,)
-    skip = tuple(skip)
-    recipe = get_recipe(recipe)
-    before = _model_bytes(model)
-    summary = QuantizeSummary(0, 0, before, before)
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear or
-               (isinstance(mod, nn.Linear) and not isinstance(mod, Fp8Linear))]
-    new: dict[str, Fp8Linear] = {}
-    for name, mod in targets:
-        if not name:
-            raise ValueError("quantize_model needs a model that contains nn.Linear layers; for a lone "
-                             "nn.Linear use Fp8Linear.from_linear")
-        if _skipped(name, skip):
-            summary.skipped.append(name)
-            continue
-        try:
-            new[name] = Fp8Linear.from_linear(mod, recipe=recipe, backend=backend, precision=precision,
-                                              candidates=candidates, weight_check=weight_check)
-        except (TypeError, ValueError) as exc:
-            kind = TypeError if isinstance(exc, TypeError) else ValueError
-            raise kind(f"quantize_model: layer {name!r} cannot be quantized ({exc}); the model is left "
-                       "unchanged") from exc
-    # Every layer quantized: only now is the model changed (setattr on a module does not fail).
-    for name, mod in targets:
-        if name not in new:
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new[name])
-        summary.layers += 1
-        summary.parameters += mod.weight.numel()
-        summary.quantized.append(name)
-    summary.bytes_after = _model_bytes(model)
-    return summary

@@ -73,7 +73,8 @@ CPU_NAMES_ALLOWED = {"fp8ref/_machine.py": "says which vendor, family and model 
 #: The areas of fp8ref from the bottom up: at module level an area imports only from itself and
 #: from areas of a lower rank. ``fp8ref`` is the face (``fp8ref/__init__.py``) alone.
 LAYERS = [
-    ("fp8ref.spec", "fp8ref._machine", "fp8ref._io", "fp8ref._progress", "fp8ref._version", "fp8ref._env"),
+    ("fp8ref.spec", "fp8ref._machine", "fp8ref._io", "fp8ref._progress", "fp8ref._version", "fp8ref._env",
+     "fp8ref._safetensors_reader"),
     ("fp8ref.registry",),
     ("fp8ref.check",),
     ("fp8ref.kernels",),
@@ -82,6 +83,7 @@ LAYERS = [
     ("fp8ref.api",),
     ("fp8ref.ops",),
     ("fp8ref.nn",),
+    ("fp8ref.surgery",),
     ("fp8ref.checkpoint",),
     ("fp8ref",),
     ("fp8ref.conformance",),

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn import Fp8Linear, quantize_model
+from ..nn import Fp8Linear
 from ..registry import Case
 from ..select import resolve
+from ..surgery import quantize_model
 from .timing import paired
 
 __all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models", "format_model_report"]
