@@ -112,15 +112,13 @@ def _linear_inputs(model: nn.Module, step: Callable[[], Any]) -> list[tuple[nn.M
 
 
 def _kernel_call(mod: Fp8Linear, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The backend ``mod`` resolves to, called on its prepared weight: the kernel alone."""
-    x2 = x.reshape(-1, x.shape[-1])
-    case = Case(M=x2.shape[0], N=mod.out_features, K=mod.in_features, recipe=mod.recipe, x_dtype=x.dtype,
-                out_dtype=x.dtype if mod.out_dtype is None else mod.out_dtype, device=str(x.device),
-                has_bias=mod.bias is not None)
-    b, _ = resolve(case, mod.backend, mod.precision)
-    prepared = b.prepare_weight(mod.quantized_weight())
-    od = case.out_dtype
-    return lambda: b.linear(x2, prepared, mod.bias, od, mod.recipe.activation)
+    """The backend of the plan ``mod`` runs on ``x``, called on the plan's prepared weight: the kernel alone."""
+    p = mod.plan(x)
+    if p is None:
+        raise ValueError(f"{mod!r} runs {tuple(x.shape)} through fp8ref.linear (weight_check='content'?): no plan "
+                         "to time its kernel alone")
+    x2, bias = x.reshape(-1, x.shape[-1]), mod.bias
+    return lambda: p.backend.linear(x2, p.prepared, bias, p.out_dtype, p.scheme)
 
 
 def _breakdown(model: nn.Module, step: Callable[[], Any], tokens: int, repeat: int, budget_s: float) -> dict:
