@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from ..nn import Fp8Linear, quantize_model
-from ..registry import Case
-from ..select import resolve
+from .load import mark, unreliable_reason
 from .timing import paired
 
 __all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models", "format_model_report"]
@@ -210,20 +209,26 @@ def format_model_report(res: dict) -> str:
     ...        "ratio": 1.5, "rounds": 3} for p in ("decode", "prefill")}}
     >>> format_model_report({"meta": {"cpu_model": "cpu"}, "models": [row]}).splitlines()[2].split()[:3]
     ['m', 'eager', 'decode']
+
+    With a load average above the thread count the ratios are printed marked ``?``, after a line
+    saying why (``fp8ref.bench.load``).
     """
     meta = res.get("meta", {})
     load = meta.get("loadavg_start")
+    why, q = unreliable_reason(meta), mark(meta)
     lines = [f"end-to-end tokens/s after quantize_model, paired with bf16 [on {meta.get('cpu_model', '?')}, "
              f"{meta.get('torch_threads', '?')} threads, load average {'?' if not load else f'{load[0]:.1f}'} on "
-             f"{meta.get('cpu_count', '?')} CPUs]",
-             f"{'model':8} {'mode':8} {'phase':8} {'bf16 t/s':>9} {'fp8 t/s':>9} {'fp8/bf16':>7} {'rounds':>7}"]
+             f"{meta.get('cpu_count', '?')} CPUs]"]
+    if why:
+        lines.append(f"UNRELIABLE ({why}): ratios marked ?")
+    lines.append(f"{'model':8} {'mode':8} {'phase':8} {'bf16 t/s':>9} {'fp8 t/s':>9} {'fp8/bf16':>7} {'rounds':>7}")
     for r in res["models"]:
         for mode in ("eager", "compiled"):
             for phase in ("decode", "prefill"):
                 f = r.get(mode, {}).get(phase)
                 if f:
                     lines.append(f"{r['model']:8} {mode:8} {phase:8} {f['bf16_tokens_per_s']:9.1f} "
-                                 f"{f['fp8_tokens_per_s']:9.1f} {f['ratio']:6.2f}x {f['rounds']:7d}")
+                                 f"{f['fp8_tokens_per_s']:9.1f} {f['ratio']:6.2f}x{q or ' '}{f['rounds']:6d}")
     for r in res["models"]:
         bd = r.get("breakdown")
         if not bd:

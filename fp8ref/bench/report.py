@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .load import unreliable_reason
+
 __all__ = ["format_report", "QUANT_TARGET"]
 
 
@@ -68,6 +70,9 @@ def format_report(res: dict) -> str:
     if "loadavg_start" in meta:
         out.append(f"load average at start {meta['loadavg_start'][0]:.2f}"
                    + (f", at end {meta['loadavg_end'][0]:.2f}" if "loadavg_end" in meta else ""))
+    why = unreliable_reason(meta)
+    if why:
+        out.append(f"UNRELIABLE ({why}): read every ratio below as a sketch, not a result")
     if res.get("backends_skipped"):
         out.append("backends not run: " + "; ".join(f"{k} ({v})" for k, v in res["backends_skipped"].items()))
     if "copy" in res:

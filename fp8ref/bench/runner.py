@@ -19,6 +19,7 @@ from .backends import available_backends
 from .ceilings import bf16_gemm_peak, copy_bandwidth
 from .conformance import bench_conformance
 from .linear import LLAMA3_8B_SHAPES, M_VALUES, bench_linear
+from .load import unreliable_reason
 from .quantization import bench_quantization
 from .reference import bench_reference
 from .selector import bench_selector
@@ -184,4 +185,5 @@ def run(device: str = "cpu", *, quick: bool = False, backends_only: Sequence[str
     res["meta"]["elapsed_s"] = time.perf_counter() - t_start
     if hasattr(os, "getloadavg"):
         res["meta"]["loadavg_end"] = list(os.getloadavg())
+    res["meta"]["unreliable"] = unreliable_reason(res["meta"])
     return res
