@@ -1,4 +1,5 @@
-"""Ledger of known failures of third-party code that fp8ref's backends run on.
+"""Ledger of known failures of third-party code that fp8ref's backends run on (product data: the
+CLI reads it; ``properties/known_failures.py`` re-exports it for the property tests).
 
 Each entry names the backend, what goes wrong, the upstream link and why fp8ref is (or is not)
 affected. Tests that reproduce an entry are marked ``xfail(strict=True)`` through ``xfail(id)``,
