@@ -19,7 +19,7 @@ from torch import nn
 from .api import LayerPlans, Plan, linear
 from .ops import linear_op, recipe_key
 from .select.keys import m_bucket
-from .spec.checks import check_codes, check_dense, check_finite
+from .spec.checks import check_bias, check_codes, check_dense, check_finite
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 from .weightcheck import tensor_version
@@ -151,7 +151,8 @@ class Fp8Linear(nn.Module):
                        out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
                        weight_check: str | None = None) -> Fp8Linear:
         """Wrap an already quantized weight (e.g. read from a checkpoint); its codes must be finite
-        and its scales finite and > 0, a bias ``[N]`` float and finite (``ValueError`` otherwise)."""
+        and its scales finite and > 0, a bias ``[N]`` float and finite (``ValueError``, and ``TypeError`` for
+        a bias that is not a float tensor, otherwise)."""
         recipe = get_recipe(recipe)
         if not isinstance(qw, Quantized):
             raise TypeError(f"qw must be an fp8ref.Quantized, got {type(qw).__name__}")
@@ -162,11 +163,8 @@ class Fp8Linear(nn.Module):
         check_dense(qw.scale, "qw.scale")
         check_codes(qw, "qw")
         N, K = qw.data.shape
+        check_bias(bias, N)
         if bias is not None:
-            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (N,):
-                raise ValueError(f"bias must be a float tensor of shape ({N},) = [N], got "
-                                 f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}"
-                                 f"{'' if not isinstance(bias, torch.Tensor) else ' ' + str(bias.dtype)}")
             check_finite(bias, "bias")
         dtype = bias.dtype if bias is not None else torch.float32
         mod = cls(K, N, bias is not None, recipe=recipe, backend=backend, precision=precision,

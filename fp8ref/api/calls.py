@@ -18,8 +18,7 @@ from .. import select as _select
 from ..registry import Case as _Case
 from ..select.keys import m_bucket
 from ..spec.checks import X_DTYPES, check_call, check_linear_args, check_values, check_x
-from ..spec.fenv import flushing as _flushing
-from ..spec.fenv import ieee_subnormals as _ieee_subnormals
+from ..spec.fenv import ieee as _ieee
 from ..spec.gemm import scaled_mm
 from ..spec.quant import Quantized, check_float_input, quantize
 from ..spec.schemes import W8A8_FP8, Recipe, get_recipe
@@ -188,6 +187,7 @@ def _entry(w, recipe, weight_check: str | None) -> WeightEntry:
     return e
 
 
+@_ieee
 def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
            recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
            out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
@@ -263,10 +263,6 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     >>> fp8ref.linear(x, w, backend="reference").shape
     torch.Size([4, 32])
     """
-    if _flushing():  # fp8ref's numbers keep subnormals whatever the caller's thread flushes (spec/fenv.py)
-        with _ieee_subnormals():
-            return linear(x, w, bias, recipe=recipe, backend=backend, precision=precision, out_dtype=out_dtype,
-                          candidates=candidates, weight_check=weight_check)
     check_x(x)
     if type(backend) is not str:
         raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")

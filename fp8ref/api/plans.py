@@ -195,7 +195,7 @@ class LayerPlans:
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             return None
         try:
-            if _flushing():  # fp8ref's numbers keep subnormals whatever the caller's thread flushes
+            if _flushing():  # subnormals kept whatever the thread flushes (inline, not @ieee: the warm path)
                 with _ieee_subnormals():
                     if p.scan:
                         check_values(x, bias)
