@@ -595,3 +595,15 @@ def test_ratios_under_load_are_marked_unreliable(monkeypatch):
         assert ("UNRELIABLE" in text) == marked and ("1.50x?" in text) == marked
         assert (unreliable_reason(meta) is not None) == marked
         assert ("UNRELIABLE" in bench.format_report({"meta": meta})) == marked
+
+
+def test_decode_gemv_is_a_fraction_of_a_read_stream():
+    """The decode GEMVs against a read-only pass over the same bytes, paired (issue 42)."""
+    from fp8ref.bench.gemv import GEMV_TARGET, bench_gemv, format_gemv
+
+    r = bench_gemv(shapes=[(64, 32), (32, 16)], backend="reference", repeat=2, budget_s=0.2)
+    assert r["bytes"] == 64 * 32 + 32 * 4 + 32 * 16 + 16 * 4 and r["fits_in_cache"]
+    assert r["fraction_of_stream"] > 0 and r["target"] == GEMV_TARGET and r["rounds"] >= 1
+    line = format_gemv(r)
+    assert "% of a read-only stream over the same bytes" in line and "not a memory figure" in line
+    assert format_gemv(r) in bench.format_report({"meta": {}, "gemv": r})

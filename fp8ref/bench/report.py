@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .gemv import format_gemv
 from .load import unreliable_reason
 
 __all__ = ["format_report", "QUANT_TARGET"]
@@ -78,6 +79,8 @@ def format_report(res: dict) -> str:
     if "copy" in res:
         out.append(f"\nceilings: memory copy {res['copy']['gbps']:.2f} GB/s (read + write); "
                    f"bf16 GEMM peak {res['bf16_peak']['gflops']:.1f} GFLOP/s (n={res['bf16_peak']['n']}){tag}")
+    if res.get("gemv"):
+        out.append("\n" + format_gemv(res["gemv"]))
     if res.get("quant"):
         out.append(f"\nquantization (GB/s = input read + codes and scales written; % of memory copy){tag}")
         out.append("  (% paired: against a copy timed in back-to-back rounds with it, immune to bandwidth drift)")
