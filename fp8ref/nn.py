@@ -8,25 +8,35 @@ and ``weight_scale``, the compressed-tensors names), keeps the bias as it was, a
 
 from __future__ import annotations
 
-import os
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from .api import linear
+from .api import LayerPlans, Plan, linear
 from .ops import linear_op, recipe_key
-from .registry import ENV_ALLOW, Backend, Case
-from .select import ENV_BACKEND, ENV_CANDIDATES, generation, resolve
-from .spec.checks import check_codes, check_dense, check_finite, check_linear_args, check_values
-from .spec.fenv import flushing
+from .select.keys import m_bucket
+from .spec.checks import check_bias, check_codes, check_dense, check_finite
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
-from .weightcheck import ENV_WEIGHT_CHECK, MemorySample, tensor_version
+from .weightcheck import tensor_version
 
 __all__ = ["Fp8Linear"]
+
+
+def _setting(name: str, doc: str, convert=None) -> property:
+    """A layer setting its plans depend on: setting it drops them (the next call plans again)."""
+    attr = "_" + name
+
+    def get(self):
+        return self.__dict__[attr]
+
+    def set(self, value):
+        self.__dict__[attr] = value if convert is None else convert(value)
+        self.__dict__["_plans"] = None
+
+    return property(get, set, doc=doc)
 
 
 class Fp8Linear(nn.Module):
@@ -70,15 +80,24 @@ class Fp8Linear(nn.Module):
     torch.Size([4, 32])
     """
 
+    recipe = _setting("recipe", "The quantization recipe.", get_recipe)
+    backend = _setting("backend", '``"auto"`` or a backend name.')
+    precision = _setting("precision", "The required precision class.")
+    out_dtype = _setting("out_dtype", "The output dtype (None: the input's).")
+    candidates = _setting("candidates", "The backends ``\"auto\"`` may choose among (None: the default set).",
+                          lambda c: None if c is None else tuple(c))
+    weight_check = _setting("weight_check", "How a change to the weight is noticed (see ``fp8ref.linear``).")
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
                  out_dtype: torch.dtype | None = None, device=None, dtype: torch.dtype = torch.float32,
                  candidates: Sequence[str] | None = None, weight_check: str | None = None):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
+        self._plans: LayerPlans | None = None
         self.recipe = get_recipe(recipe)
         self.backend, self.precision, self.out_dtype = backend, precision, out_dtype
-        self.candidates = None if candidates is None else tuple(candidates)
+        self.candidates = candidates
         self.weight_check = weight_check
         w = self.recipe.weight
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=w.format.torch_dtype,
@@ -89,10 +108,6 @@ class Fp8Linear(nn.Module):
                                  requires_grad=False) if bias else None
         self._qw: Quantized | None = None
         self._qw_key: tuple | None = None
-        self._bound: dict[tuple, _Bound] = {}
-        self._prepared: dict[str, Any] = {}
-        self._prepared_key: tuple | None = None
-        self._sample: MemorySample | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = W8A8_FP8, backend: str = "auto",
@@ -134,7 +149,8 @@ class Fp8Linear(nn.Module):
                        out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
                        weight_check: str | None = None) -> Fp8Linear:
         """Wrap an already quantized weight (e.g. read from a checkpoint); its codes must be finite
-        and its scales finite and > 0, a bias ``[N]`` float and finite (``ValueError`` otherwise)."""
+        and its scales finite and > 0, a bias ``[N]`` float and finite (``ValueError``, and ``TypeError`` for
+        a bias that is not a float tensor, otherwise)."""
         recipe = get_recipe(recipe)
         if not isinstance(qw, Quantized):
             raise TypeError(f"qw must be an fp8ref.Quantized, got {type(qw).__name__}")
@@ -145,11 +161,8 @@ class Fp8Linear(nn.Module):
         check_dense(qw.scale, "qw.scale")
         check_codes(qw, "qw")
         N, K = qw.data.shape
+        check_bias(bias, N)
         if bias is not None:
-            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (N,):
-                raise ValueError(f"bias must be a float tensor of shape ({N},) = [N], got "
-                                 f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}"
-                                 f"{'' if not isinstance(bias, torch.Tensor) else ' ' + str(bias.dtype)}")
             check_finite(bias, "bias")
         dtype = bias.dtype if bias is not None else torch.float32
         mod = cls(K, N, bias is not None, recipe=recipe, backend=backend, precision=precision,
@@ -172,88 +185,53 @@ class Fp8Linear(nn.Module):
         return self._qw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``fp8ref.linear(x, self.quantized_weight(), self.bias, ...)``, by the layer's fast path.
+        """``fp8ref.linear(x, self.quantized_weight(), self.bias, ...)``, by the layer's plans.
 
-        The layer owns its weight, so the first call of a case (x's dtype, device and M bucket)
-        checks everything ``fp8ref.linear`` checks, resolves the backend and prepares the weight
-        once; later calls of that case check x's type, dtype, device and K, that nothing the
-        choice depends on changed (the weight's and scale's storage, version and strides, the
-        layer's settings, the bias object, the selector's generation, the environment variables
-        ``fp8ref.linear`` reads, and under ``weight_check="sample"`` a sample of the codes and all
-        the scales against their values when the weight was prepared), scan x and the bias for
-        NaN/Inf unless the backend does, and call the backend's ``linear``. Grad mode with an
-        input that requires grad, a thread that flushes subnormals, ``weight_check="content"``,
-        and a backend that raises go through
-        ``fp8ref.linear`` itself (its errors, its byte comparison, its fallback under ``"auto"``).
-        Under ``torch.compile`` / ``torch.export`` the layer is one ``torch.ops.fp8ref.linear``.
+        The layer holds one ``fp8ref.api.LayerPlans``: the first call of a case (x's dtype, device
+        and M bucket) checks everything ``fp8ref.linear`` checks, resolves the backend and prepares
+        the weight once (the environment is read then); later calls of that case look the plan up,
+        check that it is current (the selector's generation, the weight's and scale's storage,
+        version and strides, and under ``weight_check="sample"`` a sample of the codes and all the
+        scales against their values when the weight was prepared) and that the bias is the object
+        it was checked with, scan x and the bias for NaN/Inf unless the backend does, and call the
+        backend's ``linear``. A change to a setting (``backend``, ``precision``, ``out_dtype``,
+        ``candidates``, ``weight_check``, ``recipe``) drops the plans. Grad mode with an input that
+        requires grad, ``weight_check="content"``, a call that does not check out and a backend
+        that raises go through ``fp8ref.linear`` itself (its errors, its byte comparison, its
+        fallback under ``"auto"``). Under ``torch.compile`` / ``torch.export`` the layer is one
+        ``torch.ops.fp8ref.linear``.
         """
         if torch.compiler.is_compiling():  # torch.compile / torch.export: one opaque op (fp8ref.ops)
             cands = None if self.candidates is None else ",".join(self.candidates)
             return linear_op(x, self.weight, self.weight_scale, self.bias, recipe=recipe_key(self.recipe),
                              backend=self.backend, precision=self.precision, out_dtype=self.out_dtype,
                              candidates=cands, weight_check=self.weight_check)
-        if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == self.in_features:
-            shape = x.shape
-            x2 = x if len(shape) == 2 else x.reshape(-1, self.in_features)
-            M = x2.shape[0]
-            bias = self.bias
-            key = ((M - 1).bit_length() if M > 1 else 0, x.dtype, x.device)
-            state = self._state()
-            b = self._bound.get(key)
-            if (b is None or b.state != state or b.bias is not bias
-                    or (b.sample is not None and not b.sample.same())):
-                b = self._bind(x, x2, key, state)
-            if (b is not None
-                    and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
-                    and not flushing()):
-                try:
-                    if not b.backend.rejects_non_finite:
-                        check_values(x, bias)
-                    y = b.backend.linear(x2, b.prepared, bias, b.out_dtype, b.scheme)
-                    return y if len(shape) == 2 else y.reshape(*shape[:-1], self.out_features)
-                except Exception:  # fp8ref.linear, next, raises the caller's error or falls back ("auto")
-                    pass
+        plans = self._plans
+        if plans is None:
+            plans = self._new_plans()
+        buffers = self._buffers
+        y = plans.run(x, buffers["weight"], buffers["weight_scale"], self.bias)
+        if y is not None:
+            return y
         return linear(x, self.quantized_weight(), self.bias, recipe=self.recipe, backend=self.backend,
                       precision=self.precision, out_dtype=self.out_dtype, candidates=self.candidates,
                       weight_check=self.weight_check)
 
-    def _state(self) -> tuple:
-        """What a bound call depends on besides x: the weight's storage and version, the layer's
-        settings, the selector's generation, the environment variables that force or restrict the
-        choice."""
-        w, s, env = self.weight, self.weight_scale, os.environ
-        return (w.data_ptr(), tensor_version(w), w.stride(), s.data_ptr(), tensor_version(s), s.stride(), self.recipe,
-                self.backend, self.precision, self.out_dtype, self.candidates, self.weight_check, generation(),
-                env.get(ENV_BACKEND), env.get(ENV_CANDIDATES), env.get(ENV_ALLOW), env.get(ENV_WEIGHT_CHECK))
+    def _new_plans(self) -> LayerPlans:
+        d = self.__dict__
+        plans = d["_plans"] = LayerPlans(d["_recipe"], d["_backend"], d["_precision"], d["_out_dtype"],
+                                         d["_candidates"], d["_weight_check"])
+        return plans
 
-    def _bind(self, x: torch.Tensor, x2: torch.Tensor, key: tuple, state: tuple) -> _Bound | None:
-        """Check the call as ``fp8ref.linear`` does, resolve its backend and prepare the weight for
-        it (once per backend and weight version); on any error, bind nothing (``fp8ref.linear``,
-        which runs next, raises it)."""
-        self._bound.pop(key, None)
-        try:
-            qw = self.quantized_weight()
-            recipe, od = check_linear_args(x, qw, self.bias, recipe=self.recipe, out_dtype=self.out_dtype)
-            check = self.weight_check or state[-1] or "sample"
-            if not recipe.activation.dynamic or check not in ("sample", "version"):
-                return None  # fp8ref.linear raises, or compares the weight's bytes on every call
-            case = Case(M=x2.shape[0], N=self.out_features, K=self.in_features, recipe=recipe, x_dtype=x.dtype,
-                        out_dtype=od, device=str(x.device), has_bias=self.bias is not None)
-            backend, _ = resolve(case, self.backend, self.precision, candidates=self.candidates)
-            sample = self._sample
-            if (self._prepared_key != state[:6] or (check == "sample") != (sample is not None)
-                    or (sample is not None and not sample.same())):
-                # Taken before preparing: a write after it gives prepared forms newer than the
-                # sample (the next call prepares again), never older.
-                sample = MemorySample(self.weight, (self.weight_scale,)) if check == "sample" else None
-                self._prepared, self._prepared_key, self._sample = {}, state[:6], sample
-            prepared = self._prepared.get(backend.name)
-            if prepared is None:
-                prepared = self._prepared[backend.name] = backend.prepare_weight(qw)
-        except Exception:  # fp8ref.linear, called next, raises it with its own wording
+    def plan(self, x: torch.Tensor) -> Plan | None:
+        """The plan a call on ``x`` runs (built now if needed), or None where ``fp8ref.linear`` takes
+        the call (see ``forward``)."""
+        with torch.no_grad():
+            self(x)
+        plans = self._plans
+        if plans is None or type(x) is not torch.Tensor or not x.dim():
             return None
-        b = self._bound[key] = _Bound(state, backend, prepared, recipe.activation, od, self.bias, sample)
-        return b
+        return plans.plans.get((m_bucket(math.prod(x.shape[:-1])), x.dtype, x.device))
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.quantized_weight().dequantize(dtype)
@@ -287,16 +265,3 @@ class Fp8Linear(nn.Module):
                 f"recipe={self.recipe.name}, backend={self.backend!r}, precision={self.precision!r}")
 
 
-@dataclass(frozen=True)
-class _Bound:
-    """One case of an ``Fp8Linear`` resolved: the backend, its prepared weight, and the state
-    (``Fp8Linear._state``), bias object and memory sample (under ``weight_check="sample"``) it
-    was resolved for."""
-
-    state: tuple
-    backend: Backend
-    prepared: Any
-    scheme: Any
-    out_dtype: torch.dtype
-    bias: Any
-    sample: MemorySample | None

@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from .api import LayerPlans
 from .api import linear as _linear
 from .spec.quant import Quantized
 from .spec.schemes import RECIPES, Recipe
@@ -69,23 +70,28 @@ def _recipe(key: str) -> Recipe:
     return r
 
 
-#: The Quantized view of (weight, weight_scale) per pair of tensors, so that ``fp8ref.linear``'s
-#: weight cache (keyed by the Quantized's identity) hits on every call after the first.
-_QUANTIZED: dict[tuple[int, int, str], tuple[weakref.ref, weakref.ref, Quantized]] = {}
+#: Per (weight, weight_scale, settings): the tensors' weakrefs, the plans (``fp8ref.api.LayerPlans``,
+#: as an ``Fp8Linear`` holds them) and the Quantized view ``fp8ref.linear`` takes when the plans do not
+#: run a call (its weight cache, keyed by the Quantized's identity, then hits on every such call).
+_LAYERS: dict[tuple, tuple[weakref.ref, weakref.ref, LayerPlans, Quantized]] = {}
 
 
-def _quantized(weight: torch.Tensor, weight_scale: torch.Tensor, recipe: Recipe, rkey: str) -> Quantized:
-    key = (id(weight), id(weight_scale), rkey)
-    hit = _QUANTIZED.get(key)
+def _layer(weight: torch.Tensor, weight_scale: torch.Tensor, settings: tuple) -> tuple:
+    key = (id(weight), id(weight_scale), *settings)
+    hit = _LAYERS.get(key)
     if hit is not None and hit[0]() is weight and hit[1]() is weight_scale:
-        return hit[2]
-    qw = Quantized(weight, weight_scale, recipe.weight)
+        return hit
+    rkey, backend, precision, out_dtype, candidates, weight_check = settings
+    r = _recipe(rkey)
 
-    def _drop(_ref, key=key, cache=_QUANTIZED):  # bound now: module globals are gone at interpreter exit
+    def _drop(_ref, key=key, cache=_LAYERS):  # bound now: module globals are gone at interpreter exit
         cache.pop(key, None)
 
-    _QUANTIZED[key] = (weakref.ref(weight, _drop), weakref.ref(weight_scale, _drop), qw)
-    return qw
+    plans = LayerPlans(r, backend, precision, out_dtype, None if candidates is None else tuple(candidates.split(",")),
+                       weight_check)
+    hit = _LAYERS[key] = (weakref.ref(weight, _drop), weakref.ref(weight_scale, _drop), plans,
+                          Quantized(weight, weight_scale, r.weight))
+    return hit
 
 
 @torch.library.custom_op("fp8ref::linear", mutates_args=())
@@ -111,10 +117,11 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     weight_check : str, optional
         As ``fp8ref.linear`` takes it.
     """
-    r = _recipe(recipe)
-    y = _linear(x, _quantized(weight, weight_scale, r, recipe), bias, recipe=r, backend=backend, precision=precision,
-                out_dtype=out_dtype, candidates=None if candidates is None else candidates.split(","),
-                weight_check=weight_check)
+    _, _, plans, qw = _layer(weight, weight_scale, (recipe, backend, precision, out_dtype, candidates, weight_check))
+    y = plans.run(x, weight, weight_scale, bias)
+    if y is None:
+        y = _linear(x, qw, bias, recipe=plans.recipe, backend=backend, precision=precision, out_dtype=out_dtype,
+                    candidates=plans.candidates, weight_check=weight_check)
     # A custom op's output may not alias an input: copy in the (empty-input) cases where a
     # backend's result could be a view of x.
     return y.clone() if y._is_view() else y

@@ -15,7 +15,8 @@ import torch
 from . import _env
 from .spec.quant import Quantized
 
-__all__ = ["WEIGHT_CHECKS", "SAMPLE_ROWS", "ENV_WEIGHT_CHECK", "MemorySample", "tensor_version", "weight_check_mode"]
+__all__ = ["WEIGHT_CHECKS", "SAMPLE_ROWS", "ENV_WEIGHT_CHECK", "MemorySample", "tensor_version", "pair_version",
+           "weight_check_mode"]
 
 #: How ``fp8ref.linear`` notices that a cached weight changed: ``"sample"`` (default: identity,
 #: torch's version counters and storage pointers, and a fixed sample of the weight's memory plus
@@ -50,9 +51,14 @@ def version(w) -> tuple:
     (``.data =``, ``set_`` and ``.to`` change the pointer; in-place ops through w or a view of it,
     ``copy_``, ``load_state_dict`` and optimizer steps bump the counter)."""
     if isinstance(w, Quantized):
-        d, s = w.data, w.scale
-        return (tensor_version(d), tensor_version(s), d.data_ptr(), s.data_ptr(), d.stride(), s.stride())
+        return pair_version(w.data, w.scale)
     return (tensor_version(w), w.data_ptr(), w.stride())
+
+
+def pair_version(data: torch.Tensor, scale: torch.Tensor) -> tuple:
+    """``version`` of a quantized weight held as two tensors (codes, scales)."""
+    return (tensor_version(data), tensor_version(scale), data.data_ptr(), scale.data_ptr(), data.stride(),
+            scale.stride())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ backends are skipped with a reason rather than hang or vanish.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -577,3 +578,32 @@ def test_interpreted_triton_is_left_out_of_the_bench_unless_named(monkeypatch):
     assert names == ["triton"] and "triton" not in skipped
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "not timed" not in available_backends("cpu")[1].get("triton", "")
+
+
+def test_ratios_under_load_are_marked_unreliable(monkeypatch):
+    """A load average above the thread count: the ratios print marked, the JSON says why (issue 42)."""
+    from fp8ref.bench import machine_meta
+    from fp8ref.bench.load import unreliable_reason
+    from fp8ref.bench.model import format_model_report
+
+    phase = {"bf16_tokens_per_s": 10.0, "fp8_tokens_per_s": 15.0, "ratio": 1.5, "rounds": 3}
+    row = {"model": "m", "quantized_layers": 2, "eager": {"decode": phase, "prefill": phase}}
+    for load, marked in ((9.0, True), (1.5, False)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        meta = {**machine_meta("cpu", True), "torch_threads": 2}
+        text = format_model_report({"meta": meta, "models": [row]})
+        assert ("UNRELIABLE" in text) == marked and ("1.50x?" in text) == marked
+        assert (unreliable_reason(meta) is not None) == marked
+        assert ("UNRELIABLE" in bench.format_report({"meta": meta})) == marked
+
+
+def test_decode_gemv_is_a_fraction_of_a_read_stream():
+    """The decode GEMVs against a read-only pass over the same bytes, paired (issue 42)."""
+    from fp8ref.bench.gemv import GEMV_TARGET, bench_gemv, format_gemv
+
+    r = bench_gemv(shapes=[(64, 32), (32, 16)], backend="reference", repeat=2, budget_s=0.2)
+    assert r["bytes"] == 64 * 32 + 32 * 4 + 32 * 16 + 16 * 4 and r["fits_in_cache"]
+    assert r["fraction_of_stream"] > 0 and r["target"] == GEMV_TARGET and r["rounds"] >= 1
+    line = format_gemv(r)
+    assert "% of a read-only stream over the same bytes" in line and "not a memory figure" in line
+    assert format_gemv(r) in bench.format_report({"meta": {}, "gemv": r})

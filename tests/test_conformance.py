@@ -43,6 +43,19 @@ def test_contract_table_is_complete():
         assert any(c.op == op for c in CONTRACTS)
 
 
+def test_the_docs_contract_table_is_generated_from_the_code():
+    """docs/conformance.md holds the table ``CONTRACTS`` gives (regenerate with ``python -m
+    fp8ref.conformance.contract_table --write docs/conformance.md``)."""
+    from pathlib import Path
+
+    from fp8ref.conformance.contract_table import BEGIN, END, contract_table, replace_table
+
+    doc = (Path(__file__).parent.parent / "docs" / "conformance.md").read_text()
+    assert doc[doc.index(BEGIN) + len(BEGIN):doc.index(END)].strip() == contract_table()
+    assert replace_table(doc) == doc
+    assert all(f"| {c.name} |" in contract_table() or c.name.split(".")[1] in contract_table() for c in CONTRACTS)
+
+
 def test_accumulator_bits_reads_the_accumulator():
     assert accumulator_bits(get_backend("reference")) == PROBE_MAX_BITS
     assert accumulator_bits(Fp32Base()) == 24

@@ -104,11 +104,11 @@ def test_layer_fast_path_sees_what_changes(monkeypatch):
     assert torch.equal(q(x), fp8ref.linear(x, q.quantized_weight(), q.bias, backend="reference"))
     q.backend = "reference"
     q(x)
-    assert next(iter(q._bound.values())).backend.name == "reference"
+    assert next(iter(q._plans.plans.values())).backend.name == "reference"
     q.backend = "auto"
     monkeypatch.setenv(sel.ENV_BACKEND, "reference")
     q(x)
-    assert all(b.backend.name == "reference" for b in q._bound.values())
+    assert all(b.backend.name == "reference" for b in q._plans.plans.values())
     q.out_dtype = torch.float32
     assert q(x).dtype == torch.float32
 
@@ -138,8 +138,45 @@ def test_layer_fast_path_leaves_content_checks_to_linear_and_keeps_candidates():
     x = torch.randn(2, 40, dtype=torch.bfloat16)
     q.weight_check = "content"  # fp8ref.linear compares the weight's bytes on every call: no binding
     q(x)
-    assert not q._bound
+    assert q._plans is None or not q._plans.plans
     q.weight_check = None
     q.candidates = ("reference",)
     assert torch.equal(q(x), fp8ref.linear(x, q.quantized_weight(), q.bias, backend="reference"))
-    assert [b.backend.name for b in q._bound.values()] == ["reference"]
+    assert [b.backend.name for b in q._plans.plans.values()] == ["reference"]
+
+
+@torch.no_grad()
+def test_warm_calls_read_no_environment_and_plans_are_shared(monkeypatch):
+    """A warm call runs its plan: no environment read, no new plan; the environment applies to plans
+    built after a change, and to all after ``fp8ref.select.clear_cache()`` (issue 42)."""
+    import os
+
+    from fp8ref import select as sel
+
+    class Counting(dict):
+        reads = 0
+
+        def get(self, *a):
+            Counting.reads += 1
+            return super().get(*a)
+
+        def __getitem__(self, k):
+            Counting.reads += 1
+            return super().__getitem__(k)
+
+    q = _layer()
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    w = torch.randn(24, 40)
+    q(x), fp8ref.linear(x, w)
+    plan = q.plan(x)
+    monkeypatch.setattr(os, "environ", Counting(os.environ))
+    for _ in range(3):
+        q(x), fp8ref.linear(x, w)
+    assert Counting.reads == 0
+    assert q.plan(x) is plan  # the same plan object, reused
+    os.environ[sel.ENV_BACKEND] = "reference"
+    q(x)
+    assert q.plan(x) is plan  # a warm plan keeps the choice it was built with
+    sel.clear_cache()
+    q(x)
+    assert q.plan(x).backend.name == "reference" and Counting.reads > 0

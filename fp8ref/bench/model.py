@@ -32,9 +32,8 @@ import torch
 from torch import nn
 
 from ..nn import Fp8Linear
-from ..registry import Case
-from ..select import resolve
 from ..surgery import quantize_model
+from .load import mark, unreliable_reason
 from .timing import paired
 
 __all__ = ["MODELS", "LLAMA_VOCAB", "build_model", "bench_model", "bench_models", "format_model_report"]
@@ -113,15 +112,13 @@ def _linear_inputs(model: nn.Module, step: Callable[[], Any]) -> list[tuple[nn.M
 
 
 def _kernel_call(mod: Fp8Linear, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The backend ``mod`` resolves to, called on its prepared weight: the kernel alone."""
-    x2 = x.reshape(-1, x.shape[-1])
-    case = Case(M=x2.shape[0], N=mod.out_features, K=mod.in_features, recipe=mod.recipe, x_dtype=x.dtype,
-                out_dtype=x.dtype if mod.out_dtype is None else mod.out_dtype, device=str(x.device),
-                has_bias=mod.bias is not None)
-    b, _ = resolve(case, mod.backend, mod.precision)
-    prepared = b.prepare_weight(mod.quantized_weight())
-    od = case.out_dtype
-    return lambda: b.linear(x2, prepared, mod.bias, od, mod.recipe.activation)
+    """The backend of the plan ``mod`` runs on ``x``, called on the plan's prepared weight: the kernel alone."""
+    p = mod.plan(x)
+    if p is None:
+        raise ValueError(f"{mod!r} runs {tuple(x.shape)} through fp8ref.linear (weight_check='content'?): no plan "
+                         "to time its kernel alone")
+    x2, bias = x.reshape(-1, x.shape[-1]), mod.bias
+    return lambda: p.backend.linear(x2, p.prepared, bias, p.out_dtype, p.scheme)
 
 
 def _breakdown(model: nn.Module, step: Callable[[], Any], tokens: int, repeat: int, budget_s: float) -> dict:
@@ -213,20 +210,26 @@ def format_model_report(res: dict) -> str:
     ...        "ratio": 1.5, "rounds": 3} for p in ("decode", "prefill")}}
     >>> format_model_report({"meta": {"cpu_model": "cpu"}, "models": [row]}).splitlines()[2].split()[:3]
     ['m', 'eager', 'decode']
+
+    With a load average above the thread count the ratios are printed marked ``?``, after a line
+    saying why (``fp8ref.bench.load``).
     """
     meta = res.get("meta", {})
     load = meta.get("loadavg_start")
+    why, q = unreliable_reason(meta), mark(meta)
     lines = [f"end-to-end tokens/s after quantize_model, paired with bf16 [on {meta.get('cpu_model', '?')}, "
              f"{meta.get('torch_threads', '?')} threads, load average {'?' if not load else f'{load[0]:.1f}'} on "
-             f"{meta.get('cpu_count', '?')} CPUs]",
-             f"{'model':8} {'mode':8} {'phase':8} {'bf16 t/s':>9} {'fp8 t/s':>9} {'fp8/bf16':>7} {'rounds':>7}"]
+             f"{meta.get('cpu_count', '?')} CPUs]"]
+    if why:
+        lines.append(f"UNRELIABLE ({why}): ratios marked ?")
+    lines.append(f"{'model':8} {'mode':8} {'phase':8} {'bf16 t/s':>9} {'fp8 t/s':>9} {'fp8/bf16':>7} {'rounds':>7}")
     for r in res["models"]:
         for mode in ("eager", "compiled"):
             for phase in ("decode", "prefill"):
                 f = r.get(mode, {}).get(phase)
                 if f:
                     lines.append(f"{r['model']:8} {mode:8} {phase:8} {f['bf16_tokens_per_s']:9.1f} "
-                                 f"{f['fp8_tokens_per_s']:9.1f} {f['ratio']:6.2f}x {f['rounds']:7d}")
+                                 f"{f['fp8_tokens_per_s']:9.1f} {f['ratio']:6.2f}x{q or ' '}{f['rounds']:6d}")
     for r in res["models"]:
         bd = r.get("breakdown")
         if not bd:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from .gemv import format_gemv
+from .load import unreliable_reason
+
 __all__ = ["format_report", "QUANT_TARGET"]
 
 
@@ -68,11 +71,16 @@ def format_report(res: dict) -> str:
     if "loadavg_start" in meta:
         out.append(f"load average at start {meta['loadavg_start'][0]:.2f}"
                    + (f", at end {meta['loadavg_end'][0]:.2f}" if "loadavg_end" in meta else ""))
+    why = unreliable_reason(meta)
+    if why:
+        out.append(f"UNRELIABLE ({why}): read every ratio below as a sketch, not a result")
     if res.get("backends_skipped"):
         out.append("backends not run: " + "; ".join(f"{k} ({v})" for k, v in res["backends_skipped"].items()))
     if "copy" in res:
         out.append(f"\nceilings: memory copy {res['copy']['gbps']:.2f} GB/s (read + write); "
                    f"bf16 GEMM peak {res['bf16_peak']['gflops']:.1f} GFLOP/s (n={res['bf16_peak']['n']}){tag}")
+    if res.get("gemv"):
+        out.append("\n" + format_gemv(res["gemv"]))
     if res.get("quant"):
         out.append(f"\nquantization (GB/s = input read + codes and scales written; % of memory copy){tag}")
         out.append("  (% paired: against a copy timed in back-to-back rounds with it, immune to bandwidth drift)")

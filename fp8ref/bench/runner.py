@@ -18,7 +18,9 @@ from ..registry import get_backend
 from .backends import available_backends
 from .ceilings import bf16_gemm_peak, copy_bandwidth
 from .conformance import bench_conformance
+from .gemv import LLAMA8B_LAYER, bench_gemv
 from .linear import LLAMA3_8B_SHAPES, M_VALUES, bench_linear
+from .load import unreliable_reason
 from .quantization import bench_quantization
 from .reference import bench_reference
 from .selector import bench_selector
@@ -27,7 +29,7 @@ from .timing import is_cuda
 __all__ = ["SECTIONS", "KERNEL_FLAGS", "run", "machine_meta", "kernel_paths"]
 
 #: The sections of a run, in the order they run.
-SECTIONS = ("ceilings", "quant", "linear", "reference", "selector", "conformance")
+SECTIONS = ("ceilings", "quant", "linear", "gemv", "reference", "selector", "conformance")
 
 
 #: The CPU flags that decide kernel paths (``/proc/cpuinfo`` names), recorded with every run.
@@ -167,6 +169,10 @@ def run(device: str = "cpu", *, quick: bool = False, backends_only: Sequence[str
         res["linear"] = bench_linear(device, names, shapes=shapes, m_values=m_values, peak_gflops=peak,
                                      gemm_only=gemm_only, repeat=repeat, budget_s=budget,
                                      max_call_s=max_call_s, deadline=deadline, log=log)
+    if "gemv" in sections:
+        log("decode GEMV against a read-only stream")
+        res["gemv"] = bench_gemv(device, LLAMA8B_LAYER[:1] if quick else LLAMA8B_LAYER, repeat=repeat,
+                                 budget_s=budget, log=log)
     if "reference" in sections:
         log("reference")
         res["reference"] = bench_reference(device, repeat=1 if quick else 3, budget_s=3.0 if quick else 6.0,
@@ -184,4 +190,5 @@ def run(device: str = "cpu", *, quick: bool = False, backends_only: Sequence[str
     res["meta"]["elapsed_s"] = time.perf_counter() - t_start
     if hasattr(os, "getloadavg"):
         res["meta"]["loadavg_end"] = list(os.getloadavg())
+    res["meta"]["unreliable"] = unreliable_reason(res["meta"])
     return res

@@ -20,7 +20,9 @@ from ..spec.quant import Quantized
 from .given import GIVEN_PROBLEMS
 
 __all__ = ["ContractViolation", "Declined", "poison_allocator", "reference_threads", "backend_threads",
-           "backend_device"]
+           "backend_device", "require_supported", "to_backend_device", "to_host", "call_quantize", "spec_quantize",
+           "build_problem", "call_scaled_mm", "same_bits", "first_diff", "check_within", "negate_codes",
+           "cached_reference", "copy_quantized"]
 
 
 class ContractViolation(AssertionError):
@@ -43,7 +45,7 @@ class Declined(Exception):
 # helpers
 
 
-def _require(backend: Backend, case: Case) -> None:
+def require_supported(backend: Backend, case: Case) -> None:
     reason = decline_reason(backend, case)
     if reason is not None:
         raise Declined(f"supports: {reason}")
@@ -119,7 +121,7 @@ def backend_device(device: str | torch.device | None):
         _BACKEND_DEVICE[0] = outer
 
 
-def _dev(t):
+def to_backend_device(t):
     """A tensor or ``Quantized`` (or None) on the backend's device (itself when already there)."""
     device = _BACKEND_DEVICE[0]
     if t is None or device is None:
@@ -129,7 +131,7 @@ def _dev(t):
     return t if t.device == device else t.to(device)
 
 
-def _host(t):
+def to_host(t):
     """A backend's result (a tensor or ``Quantized``; anything else as is) back on the CPU, where
     the reference is, when the backend runs on a device of its own."""
     if _BACKEND_DEVICE[0] is None:
@@ -139,9 +141,9 @@ def _host(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
-def _quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
+def call_quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
     with backend_threads():
-        q = _host(backend_quantize(backend, _dev(x), scheme, _dev(scale)))
+        q = to_host(backend_quantize(backend, to_backend_device(x), scheme, to_backend_device(scale)))
     if not isinstance(q, Quantized):
         raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
     if q.scheme != scheme:
@@ -151,14 +153,14 @@ def _quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | N
     return q
 
 
-def _ref_quantize(x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
+def spec_quantize(x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
     try:
         return quant.quantize(x, scheme, scale)
     except ValueError as exc:  # e.g. a scale overflowing an fp16 scale_dtype: outside the spec's domain
         raise Declined(f"reference refuses the input: {exc}") from None
 
 
-def _build(problem):
+def build_problem(problem):
     """``problem.build()``, declined when the spec itself refuses the problem's inputs (a bias that
     cancels a row is built from the spec's quantization, which raises, e.g., for a scale that
     overflows an fp16 scale dtype): an input the spec rejects is never a backend's fault."""
@@ -168,7 +170,7 @@ def _build(problem):
         raise Declined(f"premise: the spec refuses the input: {exc}") from None
 
 
-def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan"), *,
+def call_scaled_mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: float = float("nan"), *,
         rows: int | None = None) -> torch.Tensor:
     """``backend.scaled_mm(a, prepare_weight(b), bias)`` on poisoned output memory, its result's type,
     shape and dtype checked; with ``rows``, called on chunks of that many rows of ``a`` (the weight
@@ -176,7 +178,7 @@ def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: f
     while the reference and the bound are computed once for all rows (every output row depends
     only on its own row of ``a``, with that row's scales, and on ``b``)."""
     M, N = a.data.shape[0], b.data.shape[0]
-    a, b, bias = _dev(a), _dev(b), _dev(bias)
+    a, b, bias = to_backend_device(a), to_backend_device(b), to_backend_device(bias)
     with backend_threads():
         prepared = backend.prepare_weight(b)
     ys = []
@@ -185,7 +187,7 @@ def _mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype, poison: f
         m = ai.data.shape[0]
         poison_allocator((m, N), a.data.device, poison)
         with backend_threads():
-            y = _host(backend.scaled_mm(ai, prepared, bias, out_dtype))
+            y = to_host(backend.scaled_mm(ai, prepared, bias, out_dtype))
         if not isinstance(y, torch.Tensor):
             raise ContractViolation(f"scaled_mm returned {type(y).__name__}, not a tensor")
         if tuple(y.shape) != (m, N):
@@ -203,11 +205,11 @@ def _row_chunk(q: Quantized, r0: int, r1: int) -> Quantized:
     return Quantized(q.data[r0:r1], q.scale[r0 // r:(r1 - 1) // r + 1], q.scheme)
 
 
-def _same_bits(u: torch.Tensor, v: torch.Tensor) -> bool:
+def same_bits(u: torch.Tensor, v: torch.Tensor) -> bool:
     return compare_bits("", u, v).ok
 
 
-def _first_diff(u: torch.Tensor, v: torch.Tensor) -> str:
+def first_diff(u: torch.Tensor, v: torch.Tensor) -> str:
     """Where ``u`` and ``v`` first differ in their bits (``fp8ref.spec.compare.compare_bits``)."""
     verdict = compare_bits("", u, v)
     w = verdict.worst
@@ -216,7 +218,7 @@ def _first_diff(u: torch.Tensor, v: torch.Tensor) -> str:
     return f"first difference at {w.index}: {w.value!r} vs {w.reference!r} ({verdict.n_bad} elements differ)"
 
 
-def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, *,
+def check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, *,
                   dtype: torch.dtype | None = None) -> float:
     """``fp8ref.spec.compare``: raise ``ContractViolation`` with its message unless every element is
     within the bound (and, given ``dtype``, of that dtype); return the worst error/bound ratio."""
@@ -226,7 +228,7 @@ def _check_within(what: str, value: torch.Tensor, ref: torch.Tensor, bound: torc
     return verdict.ratio
 
 
-def _neg(q: Quantized) -> Quantized:
+def negate_codes(q: Quantized) -> Quantized:
     # Negate through float: FNUZ formats have no -0, so flipping the sign bit of 0 would be NaN.
     return Quantized((-q.data.to(torch.float32)).to(q.data.dtype), q.scale, q.scheme)
 
@@ -241,7 +243,7 @@ _CACHE: OrderedDict = OrderedDict()
 _CACHE_MAX = 4096
 
 
-def _cached(key, compute, *, lru: bool = True):
+def cached_reference(key, compute, *, lru: bool = True):
     """``compute()``, memoised under ``key`` (whose second entry is the problem): in the problem's
     own ``memo`` for a problem on given tensors (``given``: its results live and die with it, and
     the process-wide cache never holds a caller's tensors), in the process-wide LRU otherwise --
@@ -266,5 +268,5 @@ def _cached(key, compute, *, lru: bool = True):
     return hit[1]
 
 
-def _copy(q: Quantized) -> Quantized:
+def copy_quantized(q: Quantized) -> Quantized:
     return Quantized(q.data.clone(), q.scale.clone(), q.scheme)

@@ -34,7 +34,7 @@ def _dynamic(scheme: QuantScheme, what: str) -> None:
                          f"got {scheme.short_str()}")
 
 
-def _copy(q: Quantized) -> Quantized:
+def copy_quantized(q: Quantized) -> Quantized:
     return Quantized(q.data.clone(), q.scale.clone(), q.scheme)
 
 
@@ -104,7 +104,7 @@ class GivenGemm:
         return self.bias is not None
 
     def build(self) -> tuple[Quantized, Quantized, torch.Tensor | None]:
-        return _copy(self.a), _copy(self.b), None if self.bias is None else self.bias.clone()
+        return copy_quantized(self.a), copy_quantized(self.b), None if self.bias is None else self.bias.clone()
 
     def case(self) -> Case:
         """The case of one call (``call_rows`` rows when the backend is called in chunks)."""
@@ -172,5 +172,5 @@ class GivenLinear:
                 f"out={self.out_dtype}" + (" +bias" if self.has_bias else ""))
 
 
-#: The given problem types (``common._cached`` keeps their results in their own ``memo``).
+#: The given problem types (``common.cached_reference`` keeps their results in their own ``memo``).
 GIVEN_PROBLEMS = (GivenQuantize, GivenGemm, GivenLinear)

@@ -26,19 +26,19 @@ from ..spec.schemes import Recipe
 from .common import (
     ContractViolation,
     Declined,
-    _build,
-    _cached,
-    _check_within,
-    _copy,
-    _dev,
-    _first_diff,
-    _host,
-    _quantize,
-    _ref_quantize,
-    _require,
-    _same_bits,
     backend_threads,
+    build_problem,
+    cached_reference,
+    call_quantize,
+    check_within,
+    copy_quantized,
+    first_diff,
     poison_allocator,
+    require_supported,
+    same_bits,
+    spec_quantize,
+    to_backend_device,
+    to_host,
 )
 from .given import GivenLinear
 from .problems import LinearProblem
@@ -59,11 +59,11 @@ def _backend_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, scal
     if scale is not None and not _linear_takes_scale(backend):
         raise Declined(f"premise: backend {backend.name!r}: linear() takes no scale=, so no static activation "
                        f"scheme ({scheme.short_str()})")
-    x, bias, scale = _dev(x), _dev(bias), _dev(scale)
+    x, bias, scale = to_backend_device(x), to_backend_device(bias), to_backend_device(scale)
     with backend_threads():
         if scale is None:
-            return _host(backend.linear(x, prepared, bias, out_dtype, scheme))
-        return _host(backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale))
+            return to_host(backend.linear(x, prepared, bias, out_dtype, scheme))
+        return to_host(backend.linear(x, prepared, bias, out_dtype, scheme, scale=scale))
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -76,13 +76,13 @@ def _linear_inputs(p: LinearProblem | GivenLinear) -> tuple:
     when a given one carries it: the probe's chunks share one weight). Computed once per given
     problem (its memo), afresh for a described one; the caller copies what a backend receives."""
     def compute():
-        x, w, bias = _build(p)
+        x, w, bias = build_problem(p)
         scale = p.act_scale(x)
-        qx = _ref_quantize(x, p.recipe.activation, scale)
-        qw = p.qw if isinstance(p, GivenLinear) and p.qw is not None else _ref_quantize(w, p.recipe.weight)
+        qx = spec_quantize(x, p.recipe.activation, scale)
+        qw = p.qw if isinstance(p, GivenLinear) and p.qw is not None else spec_quantize(w, p.recipe.weight)
         return x, w, bias, scale, qx, qw
 
-    return _cached(("linear", p), compute, lru=False)
+    return cached_reference(("linear", p), compute, lru=False)
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def _linear(backend: Backend, args: LinearArgs, call_linear: LinearCall) -> torc
     """The backend's linear through ``call_linear``, on output memory poisoned first, its result's
     type, shape and dtype checked."""
     x, w, out_dtype = args.x, args.w, args.out_dtype
-    poison_allocator((x.shape[0], w.shape[0]), _dev(x).device)
+    poison_allocator((x.shape[0], w.shape[0]), to_backend_device(x).device)
     y = call_linear(backend, args)
     if not isinstance(y, torch.Tensor):
         raise ContractViolation(f"linear returned {type(y).__name__}, not a tensor")
@@ -132,7 +132,7 @@ def check_linear_bound(backend: Backend, p: LinearProblem, *, call_linear: Linea
     inputs, within the bound computed from the spec's own quantization of x and w
     (``linear_error_bound``): whatever scale the backend chose inside its linear, the bound never
     reads it."""
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     x, w, bias, scale, qx, qw = _linear_inputs(p)
 
     def exact():
@@ -142,32 +142,33 @@ def check_linear_bound(backend: Backend, p: LinearProblem, *, call_linear: Linea
             raise Declined(f"premise: the exact result overflows {p.out_dtype}")
         return y
 
-    y_true = _cached(("linear_exact", p), exact, lru=False)
-    y = _linear(backend, LinearArgs(x.clone(), w.clone(), _copy(qw), _clone(bias), p.recipe, p.out_dtype,
+    y_true = cached_reference(("linear_exact", p), exact, lru=False)
+    y = _linear(backend, LinearArgs(x.clone(), w.clone(), copy_quantized(qw), _clone(bias), p.recipe, p.out_dtype,
                                     _clone(scale)), call_linear)
-    bound = _cached(("linear_bound", p, backend.accumulation, backend.output_roundings), lambda: linear_error_bound(
-        x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
-        output_roundings=backend.output_roundings), lru=False)
-    return _check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound of the spec's "
+    bound = cached_reference(
+        ("linear_bound", p, backend.accumulation, backend.output_roundings),
+        lambda: linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
+                                   output_roundings=backend.output_roundings), lru=False)
+    return check_within("linear vs float64 linear of the unquantized inputs (linear_error_bound of the spec's "
                          "quantization)", y, y_true, bound)
 
 
 def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
     returns, bit for bit, on the weight prepared by ``prepare_weight``."""
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     x, w, bias, scale, _, qw = _linear_inputs(p)
     x, bias, scale = x.clone(), _clone(bias), _clone(scale)
-    prepared = _prepare(backend, _copy(qw), w)
+    prepared = _prepare(backend, copy_quantized(qw), w)
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
-    qx = _quantize(backend, x, p.recipe.activation, scale)
+    qx = call_quantize(backend, x, p.recipe.activation, scale)
     with backend_threads():
-        y2 = _host(backend.scaled_mm(_dev(qx), prepared, _dev(bias), p.out_dtype))
+        y2 = to_host(backend.scaled_mm(to_backend_device(qx), prepared, to_backend_device(bias), p.out_dtype))
     if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
         raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
                                 f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
-    if not _same_bits(y1, y2):
-        raise ContractViolation(f"linear differs from scaled_mm(quantize): {_first_diff(y1, y2)}")
+    if not same_bits(y1, y2):
+        raise ContractViolation(f"linear differs from scaled_mm(quantize): {first_diff(y1, y2)}")
     return 0.0
 
 
@@ -176,8 +177,8 @@ def _prepare(backend: Backend, qw: Quantized, w: torch.Tensor) -> Any:
     float ``w`` itself for a layer that quantizes its own weight (``Backend.float_weight``)."""
     with backend_threads():
         if backend.float_weight:
-            return backend.prepare_weight(_dev(w.clone()))
-        return backend.prepare_weight(_dev(qw))
+            return backend.prepare_weight(to_backend_device(w.clone()))
+        return backend.prepare_weight(to_backend_device(qw))
 
 
 def check_linear_refuses_non_finite(backend: Backend, p: LinearProblem) -> float:
@@ -189,9 +190,9 @@ def check_linear_refuses_non_finite(backend: Backend, p: LinearProblem) -> float
     the backend declares it."""
     if not backend.rejects_non_finite:
         raise Declined(f"premise: backend {backend.name!r} does not declare rejects_non_finite")
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     x, w, bias, _, _, qw = _linear_inputs(p)
-    prepared = _prepare(backend, _copy(qw), w)
+    prepared = _prepare(backend, copy_quantized(qw), w)
     bad_x = x.clone()
     bad_x[0, 0] = float("nan")
     bad_bias = torch.zeros(w.shape[0], dtype=x.dtype) if bias is None else bias.clone()

@@ -14,15 +14,15 @@ from ..spec.quant import Quantized
 from .common import (
     ContractViolation,
     Declined,
-    _build,
-    _cached,
-    _check_within,
-    _copy,
-    _first_diff,
-    _mm,
-    _neg,
-    _require,
-    _same_bits,
+    build_problem,
+    cached_reference,
+    call_scaled_mm,
+    check_within,
+    copy_quantized,
+    first_diff,
+    negate_codes,
+    require_supported,
+    same_bits,
 )
 from .given import GivenGemm
 from .problems import GemmProblem
@@ -31,32 +31,33 @@ from .problems import GemmProblem
 def _gemm_ref(p: GemmProblem):
     """``(a, b, bias, y64)``: copies of the operands and the reference's float64 result."""
     def compute():
-        a, b, bias = _build(p)
+        a, b, bias = build_problem(p)
         y64 = gemm.scaled_mm(a, b, bias, out_dtype=torch.float64)
         limit = torch.finfo(p.out_dtype).max / 2
         if not bool(torch.isfinite(y64).all()) or bool((y64.abs() > limit).any()):
             raise Declined(f"premise: the exact result overflows {p.out_dtype}")
         return a, b, bias, y64
 
-    a, b, bias, y64 = _cached(("gemm", p), compute)
-    return _copy(a), _copy(b), None if bias is None else bias.clone(), y64
+    a, b, bias, y64 = cached_reference(("gemm", p), compute)
+    return copy_quantized(a), copy_quantized(b), None if bias is None else bias.clone(), y64
 
 
 def check_scaled_mm_bound(backend: Backend, p: GemmProblem) -> float:
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     a, b, bias, y64 = _gemm_ref(p)
-    y = _mm(backend, a, b, bias, p.out_dtype, rows=p.call_rows if isinstance(p, GivenGemm) else None)
-    bound = _cached(("gemm_bound", p, backend.accumulation, backend.output_roundings), lambda: gemm_error_bound(
-        a, b, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
-        output_roundings=backend.output_roundings, y_ref=y64))
-    return _check_within(f"scaled_mm vs reference (gemm_error_bound, {backend.accumulation.name} accumulation, "
+    y = call_scaled_mm(backend, a, b, bias, p.out_dtype, rows=p.call_rows if isinstance(p, GivenGemm) else None)
+    bound = cached_reference(
+        ("gemm_bound", p, backend.accumulation, backend.output_roundings),
+        lambda: gemm_error_bound(a, b, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
+                                 output_roundings=backend.output_roundings, y_ref=y64))
+    return check_within(f"scaled_mm vs reference (gemm_error_bound, {backend.accumulation.name} accumulation, "
                          f"{backend.output_roundings} output rounding(s))", y, y64, bound)
 
 
 def check_scaled_mm_finite(backend: Backend, p: GemmProblem) -> float:
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     a, b, bias, _ = _gemm_ref(p)
-    y = _mm(backend, a, b, bias, p.out_dtype)
+    y = call_scaled_mm(backend, a, b, bias, p.out_dtype)
     bad = ~torch.isfinite(y)
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
@@ -66,41 +67,41 @@ def check_scaled_mm_finite(backend: Backend, p: GemmProblem) -> float:
 
 
 def check_scaled_mm_all_written(backend: Backend, p: GemmProblem) -> float:
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     a, b, bias, _ = _gemm_ref(p)
-    y1 = _mm(backend, a, b, bias, p.out_dtype, poison=float("nan"))
+    y1 = call_scaled_mm(backend, a, b, bias, p.out_dtype, poison=float("nan"))
     if bool(torch.isnan(y1).any()):
         idx = tuple(int(i) for i in torch.isnan(y1).nonzero()[0])
         raise ContractViolation(f"{int(torch.isnan(y1).sum())} output elements are NaN after the output memory was "
                                 f"poisoned with NaN (first at {idx}): left unwritten")
-    y2 = _mm(backend, a, b, bias, p.out_dtype, poison=12345.0)
-    if not _same_bits(y1, y2):
-        raise ContractViolation(f"output depends on the previous contents of memory: {_first_diff(y1, y2)}")
+    y2 = call_scaled_mm(backend, a, b, bias, p.out_dtype, poison=12345.0)
+    if not same_bits(y1, y2):
+        raise ContractViolation(f"output depends on the previous contents of memory: {first_diff(y1, y2)}")
     return None
 
 
 def check_scaled_mm_deterministic(backend: Backend, p: GemmProblem) -> float:
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     a, b, bias, _ = _gemm_ref(p)
-    y1, y2 = _mm(backend, a, b, bias, p.out_dtype), _mm(backend, a, b, bias, p.out_dtype)
-    if not _same_bits(y1, y2):
-        raise ContractViolation(f"two identical calls differ: {_first_diff(y1, y2)}")
+    y1, y2 = call_scaled_mm(backend, a, b, bias, p.out_dtype), call_scaled_mm(backend, a, b, bias, p.out_dtype)
+    if not same_bits(y1, y2):
+        raise ContractViolation(f"two identical calls differ: {first_diff(y1, y2)}")
     return None
 
 
 def check_scaled_mm_sign_symmetry(backend: Backend, p: GemmProblem) -> float:
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     a, b, bias, _ = _gemm_ref(p)
-    y1 = _mm(backend, a, b, bias, p.out_dtype)
-    y2 = _mm(backend, _neg(a), b, None if bias is None else -bias, p.out_dtype)
+    y1 = call_scaled_mm(backend, a, b, bias, p.out_dtype)
+    y2 = call_scaled_mm(backend, negate_codes(a), b, None if bias is None else -bias, p.out_dtype)
     if not torch.equal(y2.to(torch.float64), -y1.to(torch.float64)):
-        return _check_within("scaled_mm(-a, b, -bias) must be -scaled_mm(a, b, bias)", y2, -y1.to(torch.float64),
+        return check_within("scaled_mm(-a, b, -bias) must be -scaled_mm(a, b, bias)", y2, -y1.to(torch.float64),
                              torch.zeros_like(y1, dtype=torch.float64))
     return None
 
 
 def check_scaled_mm_scale_equivariance(backend: Backend, p: GemmProblem) -> float:
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     a, b, bias, _ = _gemm_ref(p)
     f = 2.0**p.k
     s2 = a.scale * f
@@ -110,8 +111,8 @@ def check_scaled_mm_scale_equivariance(backend: Backend, p: GemmProblem) -> floa
     bias2 = None if bias is None else bias * f
     if bias is not None and not torch.equal(bias2 / f, bias):
         raise Declined("premise: bias * 2**k is not exact")
-    y1 = _mm(backend, a, b, bias, p.out_dtype)
-    y2 = _mm(backend, Quantized(a.data, s2, a.scheme), b, bias2, p.out_dtype)
+    y1 = call_scaled_mm(backend, a, b, bias, p.out_dtype)
+    y2 = call_scaled_mm(backend, Quantized(a.data, s2, a.scheme), b, bias2, p.out_dtype)
     oi = torch.finfo(p.out_dtype)
     y1d, y2d = y1.to(torch.float64), y2.to(torch.float64)
     # Only where neither result -- nor the product before the bias, which a backend declaring two
@@ -123,12 +124,12 @@ def check_scaled_mm_scale_equivariance(backend: Backend, p: GemmProblem) -> floa
 
     mask = in_range(y1d) & in_range(y2d)
     if bias is not None:
-        prod = _cached(("gemm_product", p), lambda: gemm.scaled_mm(a, b, None, out_dtype=torch.float64))
+        prod = cached_reference(("gemm_product", p), lambda: gemm.scaled_mm(a, b, None, out_dtype=torch.float64))
         mask &= in_range(prod) & in_range(prod * f)
     if not bool(mask.any()):
         raise Declined("premise: every output is near the subnormal or overflow range")
     if not torch.equal(y2d[mask], y1d[mask] * f):
-        return _check_within(f"scaled_mm with a.scale*2**{p.k} (and bias*2**{p.k}) must give y*2**{p.k}",
+        return check_within(f"scaled_mm with a.scale*2**{p.k} (and bias*2**{p.k}) must give y*2**{p.k}",
                              torch.where(mask, y2d, 0.0), torch.where(mask, y1d * f, 0.0),
                              torch.zeros_like(y1d))
     return None
@@ -140,17 +141,17 @@ def _row_slice(q: Quantized, i: int) -> Quantized:
 
 
 def check_scaled_mm_batch_invariant(backend: Backend, p: GemmProblem) -> float:
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     a, b, bias, _ = _gemm_ref(p)
-    y = _mm(backend, a, b, bias, p.out_dtype)
+    y = call_scaled_mm(backend, a, b, bias, p.out_dtype)
     for i in sorted({0, p.M // 2, p.M - 1}):
         sub = Case(1, p.N, p.K, p.recipe, torch.bfloat16, p.out_dtype, has_bias=p.has_bias, op="scaled_mm")
         reason = decline_reason(backend, sub)
         if reason is not None:
             raise Declined(f"supports declines M=1: {reason}")
-        yi = _mm(backend, _row_slice(a, i), b, bias, p.out_dtype)
+        yi = call_scaled_mm(backend, _row_slice(a, i), b, bias, p.out_dtype)
         # Values, not bits: a zero's sign depends on summation order and matters to no one.
         if not torch.equal(yi[0].to(torch.float64), y[i].to(torch.float64)):
             raise ContractViolation(f"row {i} computed alone differs from row {i} of the batch of {p.M}: "
-                                    f"{_first_diff(yi[0], y[i])}")
+                                    f"{first_diff(yi[0], y[i])}")
     return None

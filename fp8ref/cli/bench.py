@@ -208,6 +208,9 @@ def _bench_models(args: argparse.Namespace, threads: int) -> int:
 
     if hasattr(os, "getloadavg"):
         meta["loadavg_end"] = list(os.getloadavg())
+    from ..bench.load import unreliable_reason
+
+    meta["unreliable"] = unreliable_reason(meta)
     res = {"meta": {**meta, "command": _command_line(args)}, "models": rows}
     print(format_model_report(res))
     if args.json:

@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--check", metavar="MD", help="compare the verdicts with those recorded in this matrix")
     p.add_argument("--merge", metavar="MD", help="put the selected peers' rows into this matrix (replacing theirs, "
                                                  "keeping every other row) and write it back")
-    p.add_argument("--known-failures", metavar="PY", help="ledger (default: properties/known_failures.py if present)")
+    p.add_argument("--known-failures", metavar="PY",
+                   help="ledger (default: fp8ref's own, fp8ref.conformance.known_failures)")
     p.add_argument("--in-process", action="store_true", help="run the peers in this process")
     p.add_argument("--no-measure", action="store_true", help="contracts only (skip bit-exactness, schemes, non-finite)")
     p.add_argument("--list", action="store_true", help="list the peers and whether each can run here")

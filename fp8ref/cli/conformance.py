@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ops", action="append", metavar="OP", choices=("quantize", "scaled_mm", "linear"),
                    help="certify only this of the backend's declared ops (repeatable; default: all it declares)")
     p.add_argument("--known-failures", metavar="PY",
-                   help="ledger of known upstream failures (default: properties/known_failures.py if present)")
+                   help="ledger of known upstream failures (default: fp8ref's own, fp8ref.conformance.known_failures)")
     p.add_argument("--json", metavar="FILE", help="write the report(s) as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the report(s) as markdown")
     p.add_argument("--list", action="store_true", help="print the contract table and exit")
@@ -86,11 +86,12 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def load_known_failures(path: str | None) -> list[dict]:
-    """Entries of a known-failures ledger module (``KNOWN_FAILURES``, a list of dicts)."""
+    """Entries of a known-failures ledger module (``KNOWN_FAILURES``, a list of dicts); ``path=None``:
+    fp8ref's own ledger (``fp8ref.conformance.known_failures``)."""
     if path is None:
-        path = os.path.join("properties", "known_failures.py")
-        if not os.path.exists(path):
-            return []
+        from ..conformance.known_failures import KNOWN_FAILURES
+
+        return list(KNOWN_FAILURES)
     spec = importlib.util.spec_from_file_location("_fp8ref_known_failures", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot load known failures from {path!r}")

@@ -384,7 +384,7 @@ def check(backend: Backend | str, profile: Profile | str | None = "ci", seed: in
         Only these contracts.
     known_failures : iterable of dict, optional
         Ledger entries ``{"backend", "property", "upstream", "reason"}`` (see
-        ``properties/known_failures.py``), applied as strict expected failures.
+        ``fp8ref/conformance/known_failures.py``), applied as strict expected failures.
     fail_fast : bool
         Stop at the first failing contract (the mutant self-test uses it).
     max_examples : int, optional

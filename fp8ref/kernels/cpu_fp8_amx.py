@@ -60,6 +60,7 @@ from .._io import atomic_write
 from .._machine import cpu_flags, cpu_model
 from ..registry import Case, register_backend
 from ..spec import bounds, gemm
+from ..spec.compare import compare, compare_bits
 from ..spec.quant import Quantized, quantize
 from ..spec.schemes import W8A8_FP8, QuantScheme
 from . import native
@@ -189,10 +190,9 @@ def self_test(emulate: bool = False) -> dict:
             y = be.scaled_mm(qa, qb, out_dtype=torch.float32).to(torch.float64)
             exact = qa.data.to(torch.float64) @ qb.data.to(torch.float64).T
             checks += 1
-            if not torch.equal(y, exact):
-                bad = (y != exact).nonzero()[0].tolist()
-                failures.append(f"{kind} M={M} N={N} K={K}: {int((y != exact).sum())} outputs differ from the exact "
-                                f"sum, first at {bad}: {float(y[tuple(bad)])} vs {float(exact[tuple(bad)])}")
+            v = compare(f"{kind} M={M} N={N} K={K} against the exact sum", y, exact, 0.0)
+            if not v.ok:
+                failures.append(v.message())
         qa = quantize(torch.randn(M, K, generator=g) * 3, W8A8_FP8.activation)
         qb = quantize(torch.randn(N, K, generator=g), W8A8_FP8.weight)
         bias = torch.randn(N, generator=g)
@@ -200,20 +200,19 @@ def self_test(emulate: bool = False) -> dict:
         ref = gemm.scaled_mm(qa, qb, bias, out_dtype=torch.float64)
         bound = bounds.gemm_error_bound(qa, qb, bias, out_dtype=torch.float32, accumulation=be.accumulation,
                                         output_roundings=be.output_roundings, y_ref=ref)
-        err = (y.to(torch.float64) - ref).abs()
         checks += 1
-        if not bool((err <= bound).all()):
-            worst = int((err / bound).argmax())
-            failures.append(f"random M={M} N={N} K={K}: error {float(err.flatten()[worst]):.3g} > bound "
-                            f"{float(bound.flatten()[worst]):.3g} at flat index {worst}")
+        v = compare(f"random M={M} N={N} K={K} against gemm_error_bound", y, ref, bound)
+        if not v.ok:
+            failures.append(v.message())
         if not emulate:
-            same = bool(same and torch.equal(y.view(torch.int32), emu.scaled_mm(qa, qb, bias, torch.float32)
-                                             .view(torch.int32)))
+            same = bool(same and compare_bits("tiles against the emulation", y,
+                                              emu.scaled_mm(qa, qb, bias, torch.float32)).ok)
     for qa, qb, want in _rne_problems():
-        got = float(be.scaled_mm(qa, qb, out_dtype=torch.float32))
+        y = be.scaled_mm(qa, qb, out_dtype=torch.float32)
         checks += 1
-        if got != want:
-            failures.append(f"rounding: 64 + small products gave {got!r}, round-to-nearest-even gives {want!r}")
+        v = compare("rounding of 64 + small products against round-to-nearest-even", y, torch.full_like(y, want), 0.0)
+        if not v.ok:
+            failures.append(v.message())
     reason = None
     if failures:
         reason = (f"the cpu-fp8-amx self-test failed {len(failures)} of {checks} checks on this CPU "

@@ -17,7 +17,7 @@ Kernels (defined on first use, so ``TRITON_INTERPRET`` is read then, not at impo
 
 Why integer rounding and an fp32 store: Triton's CPU interpreter (``TRITON_INTERPRET=1``, how CI
 runs these kernels) casts fp32 to float8e4nv with wrong rounding (triton-lang/triton#8322) and
-truncates bf16 stores; see ``properties/known_failures.py``. ``tl.dot`` on FP8 operands with an
+truncates bf16 stores; see ``fp8ref/conformance/known_failures.py``. ``tl.dot`` on FP8 operands with an
 fp32 result is right there.
 
 Declared accumulation: fp32 under the interpreter (numpy fp32). On CUDA, ``tl.dot`` on FP8 is

@@ -120,7 +120,7 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
         "roundings) are read from each peer's source; the bounds follow from them. Triton kernels run under "
         "`TRITON_INTERPRET=1` with fp8ref's interpreter patch (`fp8ref/peers/triton_interpreter.py`: correctly "
         "rounding downcasts and bf16 arithmetic) so that Triton's own interpreter bugs are not blamed on them. "
-        "Known failures (`properties/known_failures.py`) read `xfail` with their upstream link; "
+        "Known failures (`fp8ref/conformance/known_failures.py`) read `xfail` with their upstream link; "
         "`docs/findings.md` has a standalone reproduction of each.",
         "",
         "Columns: *bit-exact* compares codes and scales (quantizers) or outputs (GEMMs) with the reference's "

@@ -2,7 +2,7 @@
 arithmetic and int1 comparisons, applied only while fp8ref certifies a third-party Triton kernel.
 
 Why. Triton 3.9's interpreter (``TRITON_INTERPRET=1``, the only way to run Triton on a CPU) gets
-these things wrong that a GPU gets right (``properties/known_failures.py``):
+these things wrong that a GPU gets right (``fp8ref/conformance/known_failures.py``):
 
 * ``interpreter._convert_float`` rounds fp32 -> fp8 with ties *away from zero* and, when rounding
   carries out of the mantissa, ORs the carry into the exponent field instead of adding it

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fenv import flushing, ieee_subnormals
+from .fenv import ieee
 from .gemm import k_segments, scale_column, scaled_mm_exact
 from .quant import Quantized, expand_scale
 from .schemes import QuantScheme
@@ -240,6 +240,7 @@ def scale_error_bound(reference_scale: torch.Tensor, scheme: QuantScheme) -> tor
     return torch.exp2(e.to(torch.float64) - p).clamp_min(fi.tiny * fi.eps)
 
 
+@ieee
 def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     """Elementwise bound on |dequantize(q) - x| for any conforming quantizer.
 
@@ -257,9 +258,6 @@ def quantization_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     With ``multiplier_scale`` (the stored scale is m, x ~ q / m) the bound is
     ``conforming_quantization_error_bound``'s for the single multiplier m.
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return quantization_error_bound(x, q)
     if q.scheme.multiplier_scale:  # the dequantization scale 1 / m is not an fp32 number: bracket it
         m = q.scale.to(torch.float64)
         return _interval_bound(x, q.scheme, *_reciprocal_interval(m, m))
@@ -320,6 +318,7 @@ def _interval_bound(x: torch.Tensor, scheme: QuantScheme, lo: torch.Tensor, hi: 
     return bound
 
 
+@ieee
 def conforming_quantization_error_bound(x: torch.Tensor, ref: Quantized) -> torch.Tensor:
     """Elementwise bound on |dequantize(q) - x| for *every* q a conforming quantizer may return.
 
@@ -347,9 +346,6 @@ def conforming_quantization_error_bound(x: torch.Tensor, ref: Quantized) -> torc
     the same inequality holds, plus ``u64 qmax s_hi`` for ``dequantize``'s rounded fp64 quotient
     q / m' (docs/spec.md §5.1).
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return conforming_quantization_error_bound(x, ref)
     lo, hi = scale_interval(ref)
     if ref.scheme.multiplier_scale:  # stored multipliers m in [lo, hi]: dequantization scales 1 / m
         return _interval_bound(x, ref.scheme, *_reciprocal_interval(lo, hi))
@@ -379,6 +375,7 @@ def _reference_error(nseg: int, n_add: int, mass: torch.Tensor, abias: torch.Ten
     return gamma(nseg + n_add + 2, U_FP64) * (mass + abias)
 
 
+@ieee
 def reference_gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Bound on |y_ref - y*|: the reference's float64 result against the exact value.
 
@@ -392,13 +389,11 @@ def reference_gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | 
 
         |y_ref - y*| <= gamma_{nseg + n_add + 2}(u64) (P + |bias|),   P = sum_g |sa sb| sum |a b|
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return reference_gemm_error_bound(a, b, bias)
     mass, n_add = _mass(a, b)
     return _reference_error(len(k_segments(a, b)), n_add, mass, _abs_bias(bias, mass))
 
 
+@ieee
 def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = None, *,
                      out_dtype: torch.dtype = torch.bfloat16,
                      accumulation: Accumulation = Accumulation.FP32,
@@ -462,10 +457,6 @@ def gemm_error_bound(a: Quantized, b: Quantized, bias: torch.Tensor | None = Non
     reference's own deviation E_ref (``reference_gemm_error_bound``) is added, because the
     comparison is against y_ref, not y*.
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return gemm_error_bound(a, b, bias, out_dtype=out_dtype, accumulation=accumulation,
-                                    output_roundings=output_roundings, y_ref=y_ref)
     check_output_roundings(output_roundings)
     u_o, eta_o = unit_roundoff(out_dtype), _eta(out_dtype)
     M, K = a.data.shape
@@ -606,6 +597,7 @@ def _operand_rounding_error(dtype: torch.dtype, K: int, mass: torch.Tensor, abia
     return d + gamma(K + 1, U_FP32) * (mass + d + abias)
 
 
+@ieee
 def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quantized,
                        bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16,
                        accumulation: Accumulation = Accumulation.EXACT,
@@ -634,10 +626,6 @@ def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quan
     R_a <= sum_k (|x| + Q_x), scale products at most s_hi_x s_hi_w, codes at most
     (|x| + Q_x) / s_lo, and |y_q*| <= |y_true| + the two terms above in its final rounding.
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return linear_error_bound(x, w, qx, qw, bias, out_dtype=out_dtype, accumulation=accumulation,
-                                      output_roundings=output_roundings)
     check_output_roundings(output_roundings)
     K = x.shape[1]
     ax, aw = x.to(torch.float64).abs(), w.to(torch.float64).abs()

@@ -21,24 +21,63 @@ import torch
 
 from .dense import check_dense
 from .formats import get_format
-from .gemm import OUT_DTYPES
 from .quant import Quantized, check_float_input
 from .schemes import W8A8_FP8, Recipe, get_recipe
 
-__all__ = ["X_DTYPES", "BIAS_NON_FINITE", "check_dense", "check_x", "check_weight", "check_call", "check_values",
-           "check_linear_args", "check_finite", "check_codes"]
+__all__ = ["X_DTYPES", "OUT_DTYPES", "BIAS_NON_FINITE", "check_dense", "check_x", "check_weight", "check_call",
+           "check_values", "check_linear_args", "check_finite", "check_codes", "check_bias", "check_out_dtype",
+           "is_fp8"]
 
 #: The activation dtypes a linear takes: the reference quantizer's inputs
 #: (``fp8ref.spec.quant.check_float_input``; tests/test_reliability_messages.py keeps them equal).
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+#: The output dtypes of ``scaled_mm`` and of a linear (the reference rounds its float64 result to one).
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
 #: What a non-finite bias does (the tail of its error message).
 BIAS_NON_FINITE = "those output columns would be NaN/Inf"
 
 
-
-def _is_fp8(dtype: torch.dtype) -> bool:
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of torch's FP8 dtypes (a float of one byte)."""
     return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def check_bias(bias, N: int, device: torch.device | None = None) -> None:
+    """A bias ``[N]``: a dense float (not FP8) torch.Tensor of shape ``(N,)``, on ``device`` when
+    one is given (``TypeError`` for its type and dtype, ``ValueError`` for its shape and device;
+    ``check_finite`` scans its values). ``None`` passes.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from fp8ref.spec.checks import check_bias
+    >>> check_bias(torch.zeros(4), 4)
+    >>> check_bias(torch.zeros(4, dtype=torch.int32), 4)
+    Traceback (most recent call last):
+    ...
+    TypeError: bias must have a float dtype, got torch.int32
+    """
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a float torch.Tensor [N] or None, got {type(bias).__name__}")
+    check_dense(bias, "bias")
+    if not bias.is_floating_point() or is_fp8(bias.dtype):
+        raise TypeError(f"bias must have a float dtype, got {bias.dtype}")
+    if tuple(bias.shape) != (N,):
+        raise ValueError(f"bias must have shape ({N},) = [N], got {tuple(bias.shape)}")
+    if device is not None and bias.device != device:
+        raise ValueError(f"bias is on {bias.device} but x is on {device}")
+
+
+def check_out_dtype(out_dtype, what: str = "out_dtype", none_is: str | None = None) -> None:
+    """``out_dtype`` one of ``OUT_DTYPES`` (``TypeError`` naming ``what`` otherwise; ``none_is`` says
+    what None means where None is allowed, and the caller has replaced it)."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{what} must be one of {[str(d) for d in OUT_DTYPES]}"
+                        f"{f' (or None: {none_is})' if none_is else ''}, got {out_dtype}")
 
 
 def check_x(x) -> None:
@@ -47,7 +86,7 @@ def check_x(x) -> None:
         raise TypeError(f"x must be a torch.Tensor [..., K], got {type(x).__name__}")
     check_dense(x, "x")
     if x.dtype not in X_DTYPES:
-        if _is_fp8(x.dtype):
+        if is_fp8(x.dtype):
             raise TypeError(f"x is an FP8 tensor ({x.dtype}): fp8ref.linear quantizes float activations itself; "
                             "pass them in float32, float16, bfloat16 or float64 (for quantized operands use "
                             "fp8ref.scaled_mm)")
@@ -80,7 +119,7 @@ def check_weight(w, recipe: Recipe, what: str = "w") -> None:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{what} must be a float torch.Tensor [N, K] or an fp8ref.Quantized, got {type(w).__name__}")
     check_dense(w, what)
-    if _is_fp8(w.dtype):
+    if is_fp8(w.dtype):
         raise TypeError(f"{what} is an FP8 tensor ({w.dtype}) without its scales: pass the float weight "
                         "(fp8ref.linear quantizes it once), or fp8ref.Quantized(codes, scale, recipe.weight)")
     if w.dim() != 2:
@@ -95,19 +134,9 @@ def check_call(x: torch.Tensor, N: int, K: int, w_device: torch.device, bias, ou
         raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}) but w is [{N}, {K}]")
     if x.device != w_device:
         raise ValueError(f"x is on {x.device} but the weight is on {w_device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a float torch.Tensor [N] or None, got {type(bias).__name__}")
-        check_dense(bias, "bias")
-        if not bias.is_floating_point() or _is_fp8(bias.dtype):
-            raise TypeError(f"bias must have a float dtype, got {bias.dtype}")
-        if tuple(bias.shape) != (N,):
-            raise ValueError(f"bias must have shape ({N},) = [N], got {tuple(bias.shape)}")
-        if bias.device != x.device:
-            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+    check_bias(bias, N, x.device)
     od = x.dtype if out_dtype is None else out_dtype
-    if od not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]} (or None: x's dtype), got {od}")
+    check_out_dtype(od, none_is="x's dtype")
     return od
 
 

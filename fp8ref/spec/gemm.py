@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .fenv import flushing, ieee_subnormals
+from .checks import BIAS_NON_FINITE, OUT_DTYPES, check_bias, check_finite, check_out_dtype
+from .fenv import ieee
 from .formats import Fp8Format
 from .quant import Quantized
 
 __all__ = ["scaled_mm", "scaled_mm_exact", "k_segments", "scale_column", "check_operands", "ExactPlan", "exact_plan",
            "OUT_DTYPES"]
 
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _F64_SIGNIFICAND = 53
 
 
@@ -105,15 +105,10 @@ def check_operands(a: Quantized, b: Quantized, bias: torch.Tensor | None, out_dt
         raise ValueError("a and b have 0 columns: the reduction dim K must be at least 1")
     if a.data.device != b.data.device:
         raise ValueError(f"a is on {a.data.device} but b is on {b.data.device}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise TypeError("bias must be a float tensor")
-        if tuple(bias.shape) != (b.data.shape[0],):
-            raise ValueError(f"bias must have shape [N] = ({b.data.shape[0]},), got {tuple(bias.shape)}")
-        if finite_bias and not bool(torch.isfinite(bias).all()):
-            raise ValueError("bias contains NaN/Inf")
+    check_out_dtype(out_dtype)
+    check_bias(bias, b.data.shape[0])
+    if finite_bias and bias is not None:
+        check_finite(bias, "bias", BIAS_NON_FINITE)
 
 
 #: K tile and N block: the activations are widened to float64 once per K-chunk, the weight one
@@ -355,6 +350,7 @@ def scale_column(q: Quantized, k: int) -> torch.Tensor:
     return q.scale[:, k // c].to(torch.float64).repeat_interleave(r)[:rows]
 
 
+@ieee
 def scaled_mm_exact(a: Quantized, b: Quantized, bias: torch.Tensor | None = None, *,
                     absolute: bool = False) -> tuple[torch.Tensor, int]:
     """The reference result in float64 before the output rounding, and the largest number of
@@ -364,9 +360,6 @@ def scaled_mm_exact(a: Quantized, b: Quantized, bias: torch.Tensor | None = None
     With ``absolute=True`` it computes sum_g |sa sb| sum_k |a_k b_k| instead (bias ignored): the
     magnitude that every error bound in ``fp8ref.spec.bounds`` is proportional to.
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return scaled_mm_exact(a, b, bias, absolute=absolute)
     check_operands(a, b, bias, torch.float64)
     M, K = a.data.shape
     N = b.data.shape[0]
@@ -393,6 +386,7 @@ def scaled_mm_exact(a: Quantized, b: Quantized, bias: torch.Tensor | None = None
     return y, n_inexact
 
 
+@ieee
 def scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Reference scaled GEMM: ``(a . b^T) (.) scales + bias``, exact accumulation, one rounding.
@@ -417,9 +411,6 @@ def scaled_mm(a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
     >>> fp8ref.scaled_mm(a, b, out_dtype=torch.float32).tolist()
     [[11.0, 1.0]]
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return scaled_mm(a, b, bias, out_dtype)
     check_operands(a, b, bias, out_dtype)
     y, _ = scaled_mm_exact(a, b, bias)
     return y.to(out_dtype)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .dense import check_dense
-from .fenv import flushing, ieee_subnormals
+from .fenv import ieee
 from .formats import Fp8Format
 from .schemes import Granularity, QuantScheme
 
@@ -179,12 +179,10 @@ def _amax(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
                       for r0, r1 in _row_chunks(rows, cols, r)])
 
 
+@ieee
 def _dynamic_scale(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(stored scale, multiplier): ``compute_scale``'s scale and, where the scheme derives the scale
     from a multiplier (``reciprocal_scale``, ``multiplier_scale``), that fp32 multiplier (else None)."""
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return _dynamic_scale(x, scheme)
     amax = _amax(x, scheme)
     floored = torch.clamp(amax, min=scheme.amax_floor)
     mult = None
@@ -233,15 +231,13 @@ def saturation_threshold(fmt: Fp8Format, qmax: float) -> float:
     return qmax + float(fmt.ulp(torch.tensor(qmax))) / 2
 
 
+@ieee
 def round_to_format(v: torch.Tensor, fmt: Fp8Format, qmax: float) -> torch.Tensor:
     """RNE_fmt(clamp(v, -qmax, qmax)) for fp32 ``v``: clamp explicitly, then one rounding.
 
     torch >= 2.12's cast rounds to nearest even and saturates; older casts and ml_dtypes give NaN
     on overflow, so the clamp is part of the spec rather than left to the cast.
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return round_to_format(v, fmt, qmax)
     return torch.clamp(v, -qmax, qmax).to(fmt.torch_dtype)
 
 
@@ -266,6 +262,7 @@ def _static_scale(scale, scheme: QuantScheme, rows: int, cols: int, device) -> t
     return stored
 
 
+@ieee
 def quantize(x: torch.Tensor, scheme: QuantScheme | None = None, scale: torch.Tensor | None = None) -> Quantized:
     """Quantize a 2-D float tensor to FP8 under ``scheme`` (the spec; see module docstring).
 
@@ -291,9 +288,6 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | None = None, scale: torch.Te
     >>> q.data.float().tolist(), q.scale.item()
     ([[1.0, -2.0, 448.0]], 1.0)
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return quantize(x, scheme, scale)
     scheme = QuantScheme() if scheme is None else scheme
     if not isinstance(scheme, QuantScheme):
         raise TypeError(f"scheme must be a QuantScheme, got {type(scheme).__name__}")
@@ -333,6 +327,7 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | None = None, scale: torch.Te
     return Quantized(data, s, scheme, n_sat)
 
 
+@ieee
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data * scale`` per element, computed exactly in fp64 and rounded once to ``dtype``
     (``data / scale`` with ``multiplier_scale``: correctly rounded in fp64, then to ``dtype``).
@@ -341,9 +336,6 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     bits, so the fp64 product is exact. A quotient is not, but rounding it to fp64 and then to
     fp32, bf16 or fp16 is innocuous double rounding (53 >= 2 * 24 + 2 bits).
     """
-    if flushing():  # the spec computes with subnormals kept (fenv.py)
-        with ieee_subnormals():
-            return dequantize(q, dtype)
     rows, cols = q.data.shape
     s = expand_scale(q.scale.to(torch.float64), q.scheme, rows, cols)
     if q.scheme.multiplier_scale:

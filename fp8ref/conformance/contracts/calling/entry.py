@@ -24,13 +24,13 @@ from ... import strategies as fst
 from ..common import (
     ContractViolation,
     Declined,
-    _check_within,
-    _first_diff,
-    _ref_quantize,
-    _require,
-    _same_bits,
     backend_threads,
+    check_within,
+    first_diff,
     poison_allocator,
+    require_supported,
+    same_bits,
+    spec_quantize,
 )
 from ..linear import _backend_linear
 
@@ -55,7 +55,7 @@ class _Op:
             out = {"a.data": a.data, "a.scale": a.scale, "b.data": b.data, "b.scale": b.scale}
             return out if bias is None else {**out, "bias": bias}
         x, w, bias = p.build()
-        qw = _ref_quantize(w, p.recipe.weight)
+        qw = spec_quantize(w, p.recipe.weight)
         out = {"x": x, "w.data": qw.data, "w.scale": qw.scale}
         if bias is not None:
             out["bias"] = bias
@@ -118,14 +118,14 @@ class _Op:
         c = {k: v.contiguous() for k, v in args.items()}
         if self.name == "quantize":
             x, s = c["x"], c.get("scale")
-            ref = _ref_quantize(x, p.scheme, s)
+            ref = spec_quantize(x, p.scheme, s)
             q = Quantized(outs["data"], outs["scale"], p.scheme)
             # quantize.scale's rule: the caller's scale bit for bit, a dynamic one within scale_error_bound
-            _check_within("scale", q.scale, ref.scale, scale_error_bound(ref.scale, p.scheme),
+            check_within("scale", q.scale, ref.scale, scale_error_bound(ref.scale, p.scheme),
                           dtype=ref.scale.dtype if s is not None else None)
             deq = quant.dequantize(q, torch.float64)
             # the spec's bound (its scale, widened to what quantize.scale admits), never the backend's
-            return _check_within("dequantized value vs x (conforming_quantization_error_bound)", deq,
+            return check_within("dequantized value vs x (conforming_quantization_error_bound)", deq,
                                  x.to(torch.float64), conforming_quantization_error_bound(x, ref))
         if self.name == "scaled_mm":
             a = Quantized(c["a.data"], c["a.scale"], p.recipe.activation)
@@ -133,15 +133,15 @@ class _Op:
             y64 = gemm.scaled_mm(a, b, c.get("bias"), out_dtype=torch.float64)
             bound = gemm_error_bound(a, b, c.get("bias"), out_dtype=p.out_dtype, accumulation=backend.accumulation,
                                      output_roundings=backend.output_roundings, y_ref=y64)
-            return _check_within("scaled_mm vs reference (gemm_error_bound)", outs["y"], y64, bound)
+            return check_within("scaled_mm vs reference (gemm_error_bound)", outs["y"], y64, bound)
         x, bias, s = c["x"], c.get("bias"), c.get("scale")
         qw = Quantized(c["w.data"], c["w.scale"], p.recipe.weight)
-        qx = _ref_quantize(x, p.recipe.activation, s)
+        qx = spec_quantize(x, p.recipe.activation, s)
         w = quant.dequantize(qw, torch.float64)  # the unquantized weight is the one these codes are exact for
         y_true = x.to(torch.float64) @ w.T + (0 if bias is None else bias.to(torch.float64))
         bound = linear_error_bound(x, w, qx, qw, bias, out_dtype=p.out_dtype, accumulation=backend.accumulation,
                                    output_roundings=backend.output_roundings)
-        return _check_within("linear vs float64 linear (linear_error_bound)", outs["y"], y_true, bound)
+        return check_within("linear vs float64 linear (linear_error_bound)", outs["y"], y_true, bound)
 
 
 def _op_of(p) -> _Op:
@@ -155,16 +155,16 @@ def _op_of(p) -> _Op:
 def _premise(backend: Backend, op: _Op) -> dict[str, torch.Tensor]:
     """The problem's arguments, after the backend's ``supports`` and the spec's own refusals (an
     input the spec rejects is never the backend's fault)."""
-    _require(backend, op.problem.case())
+    require_supported(backend, op.problem.case())
     try:
         args = op.args()
     except ValueError as exc:  # building a bias that cancels row 0 quantizes with the spec, which may refuse
         raise Declined(f"reference refuses the input: {exc}") from None
     p = op.problem
     if op.name == "quantize":
-        _ref_quantize(args["x"], p.scheme, args.get("scale"))
+        spec_quantize(args["x"], p.scheme, args.get("scale"))
     elif op.name == "linear":
-        _ref_quantize(args["x"], p.recipe.activation, args.get("scale"))
+        spec_quantize(args["x"], p.recipe.activation, args.get("scale"))
         limit = torch.finfo(p.out_dtype).max / 4
         y = quant.dequantize(op.weight(args), torch.float64)
         if bool(((args["x"].to(torch.float64) @ y.T).abs() > limit).any()):
@@ -181,9 +181,9 @@ def _premise_values(op: _Op, args) -> None:
     """The spec's refusals of changed argument values (a stride-0 view repeats a row)."""
     p = op.problem
     if op.name == "quantize":
-        _ref_quantize(args["x"].contiguous(), p.scheme, None if "scale" not in args else args["scale"].contiguous())
+        spec_quantize(args["x"].contiguous(), p.scheme, None if "scale" not in args else args["scale"].contiguous())
     elif op.name == "linear":
-        _ref_quantize(args["x"].contiguous(), p.recipe.activation,
+        spec_quantize(args["x"].contiguous(), p.recipe.activation,
                       None if "scale" not in args else args["scale"].contiguous())
 
 
@@ -202,8 +202,8 @@ def _run(backend: Backend, op: _Op, args, **kw) -> dict[str, torch.Tensor]:
 def _same(o1: dict, o2: dict) -> str | None:
     """None if the two calls' outputs have the same bits, else where they differ."""
     for k in o1:
-        if not _same_bits(o1[k], o2[k]):
-            return f"{k}: {_first_diff(o1[k], o2[k])}"
+        if not same_bits(o1[k], o2[k]):
+            return f"{k}: {first_diff(o1[k], o2[k])}"
     return None
 
 

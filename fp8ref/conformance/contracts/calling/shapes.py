@@ -18,7 +18,7 @@ from ...profiles import Profile
 from ..common import (
     ContractViolation,
     Declined,
-    _require,
+    require_supported,
 )
 from ..linear import check_linear_bound as _linear_bound
 from ..quantize import check_quantize_codes as _quantize_codes
@@ -188,7 +188,7 @@ def check_size_limits(backend: Backend, sp: SizeProblem) -> float:
         raise Declined("the backend pays per program (conformance_max_elems): 65537 rows or 513 groups run on "
                        "the device; K past 2**16 in one program runs here")
     p = sp.resized()
-    _require(backend, p.case())
+    require_supported(backend, p.case())
     primary = {fst.QuantizeProblem: (_quantize_codes, _quantize_scale), fst.GemmProblem: (_gemm_bound,),
                fst.LinearProblem: (_linear_bound,)}[type(p)]
     worst = 0.0

@@ -15,7 +15,7 @@ from ....spec.bounds import gemm_error_bound
 from ....spec.quant import Quantized
 from ..common import (
     ContractViolation,
-    _check_within,
+    check_within,
 )
 from .entry import _clones, _Op, _op_of, _premise, _run
 
@@ -188,6 +188,6 @@ def _check_overflow(backend: Backend, op: _Op, args) -> float | None:
     # fp32's range): there the output is finite and within the bound.
     inside = ((y64.abs() + bound) < oi.max) & ~nan_ok
     if bool(inside.any()):
-        return _check_within(f"scaled_mm with results near {p.out_dtype}'s maximum", torch.where(inside, y, 0.0),
+        return check_within(f"scaled_mm with results near {p.out_dtype}'s maximum", torch.where(inside, y, 0.0),
                              torch.where(inside, y64, 0.0), torch.where(inside, bound, 0.0))
     return None

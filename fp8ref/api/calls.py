@@ -9,33 +9,28 @@ cached with its quantized form); the per-call checks cost a few microseconds.
 
 from __future__ import annotations
 
-import os as _os
-import weakref as _weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from . import select as _select
-from .registry import Backend as _Backend
-from .registry import Case as _Case
-from .spec.checks import X_DTYPES, check_call, check_linear_args, check_values, check_weight, check_x
-from .spec.fenv import flushing as _flushing
-from .spec.fenv import ieee_subnormals as _ieee_subnormals
-from .spec.gemm import scaled_mm
-from .spec.quant import Quantized, check_float_input, quantize
-from .spec.schemes import W8A8_FP8, Recipe, get_recipe
-from .weightcheck import ENV_WEIGHT_CHECK, SAMPLE_ROWS, WEIGHT_CHECKS, MemorySample, tensor_version
-from .weightcheck import same_content as _same_content
-from .weightcheck import snapshot as _snapshot
-from .weightcheck import version as _version
-from .weightcheck import weight_check_mode as _weight_check
+from .. import select as _select
+from ..registry import Case as _Case
+from ..select.keys import m_bucket
+from ..spec.checks import X_DTYPES, check_call, check_linear_args, check_values, check_x
+from ..spec.fenv import ieee as _ieee
+from ..spec.gemm import scaled_mm
+from ..spec.quant import Quantized, check_float_input, quantize
+from ..spec.schemes import W8A8_FP8, Recipe, get_recipe
+from ..weightcheck import ENV_WEIGHT_CHECK, SAMPLE_ROWS, WEIGHT_CHECKS, MemorySample, tensor_version
+from ..weightcheck import same_content as _same_content
+from ..weightcheck import version as _version
+from ..weightcheck import weight_check_mode as _weight_check
+from .plans import STATS, LayerPlans, Plan, Request, WeightEntry, check_candidates, make_plan, new_entry
 
 __all__ = ["reference_linear", "quantize_weight", "flatten_activations", "linear", "explain", "clear_weight_cache",
            "tensor_version", "check_linear_args", "X_DTYPES", "WEIGHT_CHECKS", "ENV_WEIGHT_CHECK", "DispatchKey",
-           "MemorySample", "SAMPLE_ROWS"]
-
+           "MemorySample", "SAMPLE_ROWS", "Plan", "LayerPlans", "STATS"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,20 +131,18 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.T
 
 
 # --------------------------------------------------------------------------------------------
-# fp8ref.linear: the user-facing call, dispatched to the selected backend.
-#
-# Hot path (after the first call for a weight and a case): one dict lookup for the weight (keyed
-# by id, checked against a weakref, the version counters and storage pointers, and under
-# weight_check="sample" a sample of its memory, under "content" all of its bytes), one for the
-# dispatch (a DispatchKey), then the backend's call.
+# fp8ref.linear: the user-facing call, dispatched to the selected backend. Its plans
+# (``fp8ref.api.plans``) live in a per-weight table: one dict lookup for the weight (keyed by id,
+# checked against a weakref and ``WeightEntry.current``, and under "content" all of its bytes),
+# one for the plan (a ``DispatchKey``), then the backend's call.
 
 
 class DispatchKey(NamedTuple):
-    """Everything besides the weight that decides which backend runs a call. The hot path builds
-    the plain tuple in this field order (a NamedTuple's constructor costs more than the tuple, and
-    equal tuples hash alike); a table miss names it with ``DispatchKey._make``."""
+    """Everything besides the weight that decides which backend runs an ``fp8ref.linear`` call. The
+    hot path builds the plain tuple in this field order (a NamedTuple's constructor costs more than
+    the tuple, and equal tuples hash alike); a table miss names it with ``DispatchKey._make``."""
 
-    m_bucket: int  #: bit length of M - 1 (0 for M <= 1): the selector's power-of-two bucket
+    m_bucket: int  #: ``fp8ref.select.m_bucket(M)``: the selector's power-of-two bucket
     x_dtype: torch.dtype
     out_dtype: torch.dtype
     has_bias: bool
@@ -157,50 +150,9 @@ class DispatchKey(NamedTuple):
     precision: str
     device: torch.device
     candidates: tuple[str, ...] | None  #: ``candidates=`` of the call
-    forced: str | None  #: FP8REF_BACKEND
-    env_candidates: str | None  #: FP8REF_CANDIDATES
 
 
-@dataclass(frozen=True)
-class _Request:
-    """One checked call, as a (re)selection needs it: built when the dispatch table misses and
-    when a backend raises, never on the hot path."""
-
-    x: torch.Tensor  #: the caller's x (errors name its own indices, not the flattened view's)
-    x2: torch.Tensor  #: x as [M, K]
-    bias: torch.Tensor | None
-    out_dtype: torch.dtype
-    key: DispatchKey
-
-
-class _Dispatch:
-    __slots__ = ("backend", "prepared", "scheme", "auto", "key", "generation")
-
-    def __init__(self, backend: _Backend, prepared, scheme, decision_key: str | None, generation: int):
-        self.backend, self.prepared, self.scheme = backend, prepared, scheme
-        self.auto, self.key, self.generation = decision_key is not None, decision_key, generation
-
-
-class _WeightEntry:
-    """One weight under one recipe: its Quantized form, per-backend prepared forms, dispatches, and
-    under ``weight_check="sample"`` a ``MemorySample`` of the weight, under ``"content"`` a private
-    copy of its bytes. Built whole, then put in the cache (a thread sees the old entry or the new)."""
-
-    __slots__ = ("ref", "version", "recipe", "qw", "N", "K", "prepared", "dispatch", "kept", "sample", "check",
-                 "__weakref__")
-
-    def __init__(self, ref, version, recipe: Recipe, qw: Quantized, check: str,
-                 kept: tuple[torch.Tensor, ...] | None, sample: MemorySample | None):
-        self.ref, self.version, self.recipe, self.qw, self.check = ref, version, recipe, qw, check
-        self.kept, self.sample = kept, sample
-        self.N, self.K = qw.data.shape
-        self.prepared: dict[str, object] = {}
-        self.dispatch: dict[tuple, _Dispatch] = {}
-
-
-_WEIGHTS: dict[tuple[int, object], _WeightEntry] = {}
-#: Counts weight quantizations and prepare_weight calls (tests check the cache is used).
-STATS = {"quantize_weight": 0, "prepare_weight": 0}
+_WEIGHTS: dict[tuple[int, object], WeightEntry] = {}
 
 
 def clear_weight_cache() -> None:
@@ -208,77 +160,34 @@ def clear_weight_cache() -> None:
     _WEIGHTS.clear()
 
 
-def _weight_entry(w, recipe: Recipe, key: tuple, check: str) -> _WeightEntry:
-    """Check and quantize (a float weight) or check (a Quantized one), and cache the result against
-    w's identity: the weight's checks run once per weight and version (and sample, or content)."""
-    check_weight(w, recipe)
-    # Both taken before quantizing: a write after them gives a cached form newer than the sample
-    # (the next call rebuilds), never one older than it.
-    kept = _snapshot(w) if check == "content" else None  # what the cached form is made of
-    sample = None
-    if check == "sample":
-        sample = MemorySample(w.data, (w.scale,)) if isinstance(w, Quantized) else MemorySample(w)
-    if isinstance(w, torch.Tensor):
-        with torch.no_grad():
-            qw = quantize(w.detach() if kept is None else kept[0].view(w.dtype).reshape(w.shape), recipe.weight)
-        STATS["quantize_weight"] += 1
-    elif kept is not None:  # the backends prepare from the kept copy: one consistent version
-        qw = Quantized(kept[0].view(w.data.dtype).reshape(w.data.shape),
-                       kept[1].view(w.scale.dtype).reshape(w.scale.shape), w.scheme, w.n_saturated)
-    else:
-        qw = w
+def _weight_entry(w, recipe: Recipe, key: tuple, check: str) -> WeightEntry:
+    """``new_entry``, cached in ``_WEIGHTS`` against w's identity."""
 
     def _drop(ref, key=key, cache=_WEIGHTS):  # bound now: module globals are gone at interpreter exit
         e = cache.get(key)
         if e is not None and e.ref is ref:
             del cache[key]
 
-    entry = _WeightEntry(_weakref.ref(w, _drop), _version(w), recipe, qw, check, kept, sample)
+    entry = new_entry(w, recipe, check, _drop)
     _WEIGHTS[key] = entry
     return entry
 
 
-def _entry(w, recipe, weight_check: str | None) -> _WeightEntry:
+def _entry(w, recipe, weight_check: str | None) -> WeightEntry:
     """The cached entry of ``w``, rebuilt when ``w`` changed (as the entry's check sees changes).
     ``weight_check=None`` keeps the entry's mode, read from ``FP8REF_WEIGHT_CHECK`` when the entry
     was made (an environment read per call would cost a microsecond)."""
     # A Recipe is keyed by id (the entry holds it, so the id stays valid); a preset name by value.
     wkey = (id(w), recipe if recipe.__class__ is str else id(recipe))
     e = _WEIGHTS.get(wkey)
-    if (e is None or e.ref() is not w or e.version != _version(w)
+    if (e is None or e.ref() is not w or not e.current(_version(w))
             or (weight_check is not None and weight_check != e.check)
-            or (e.sample is not None and not e.sample.same())
             or (e.kept is not None and not _same_content(w, e.kept))):
         e = _weight_entry(w, get_recipe(recipe), wkey, _weight_check(weight_check))
     return e
 
 
-def _check_candidates(candidates) -> tuple[str, ...] | None:
-    if candidates is None:
-        return None
-    if isinstance(candidates, str) or not all(isinstance(c, str) for c in candidates):
-        raise TypeError(f"candidates must be a sequence of backend names (or None), got {candidates!r}")
-    return tuple(candidates)
-
-
-def _resolve_dispatch(e: _WeightEntry, req: _Request) -> _Dispatch:
-    recipe, key = e.recipe, req.key
-    if not recipe.activation.dynamic:
-        raise ValueError(f"recipe {recipe.name!r} has a static activation scheme; fp8ref.linear quantizes "
-                         "activations dynamically (use reference_linear(..., input_scale=) for static scales)")
-    case = _Case(M=req.x2.shape[0], N=e.N, K=e.K, recipe=recipe, x_dtype=req.x.dtype, out_dtype=req.out_dtype,
-                 device=str(req.x.device), has_bias=req.bias is not None)
-    b, decision = _select.resolve(case, key.backend, key.precision, candidates=key.candidates)
-    prepared = e.prepared.get(b.name)
-    if prepared is None:
-        prepared = b.prepare_weight(e.qw)
-        STATS["prepare_weight"] += 1
-        e.prepared[b.name] = prepared
-    d = _Dispatch(b, prepared, recipe.activation, None if decision is None else decision.key, _select.generation())
-    e.dispatch[key] = d
-    return d
-
-
+@_ieee
 def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
            recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
            out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
@@ -354,67 +263,62 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
     >>> fp8ref.linear(x, w, backend="reference").shape
     torch.Size([4, 32])
     """
-    if _flushing():  # fp8ref's numbers keep subnormals whatever the caller's thread flushes (spec/fenv.py)
-        with _ieee_subnormals():
-            return linear(x, w, bias, recipe=recipe, backend=backend, precision=precision, out_dtype=out_dtype,
-                          candidates=candidates, weight_check=weight_check)
     check_x(x)
     if type(backend) is not str:
         raise TypeError(f"backend must be a backend name or 'auto', got {type(backend).__name__}")
     if not isinstance(precision, str):
         raise TypeError(f"precision must be a str (exact, strict, standard, fast), got {type(precision).__name__}")
-    cands = None if candidates is None else _check_candidates(candidates)
+    cands = None if candidates is None else check_candidates(candidates)
     e = _entry(w, recipe, weight_check)
     od = check_call(x, e.N, e.K, e.qw.data.device, bias, out_dtype)
     shape = x.shape
     x2 = x if len(shape) == 2 else x.reshape(-1, e.K)
-    M = x2.shape[0]
-    env = _os.environ
-    key = ((M - 1).bit_length() if M > 1 else 0, x.dtype, od, bias is not None, backend, precision, x.device, cands,
-           env.get(_select.ENV_BACKEND), env.get(_select.ENV_CANDIDATES))  # DispatchKey's fields
-    d = e.dispatch.get(key)
-    if d is None or d.generation != _select.generation():
+    key = (m_bucket(x2.shape[0]), x.dtype, od, bias is not None, backend, precision, x.device, cands)  # DispatchKey
+    p = e.plans.get(key)
+    if p is None or p.generation != _select.generation():
         check_values(x, bias)  # before any selection, probe or kernel
-        d = _resolve_dispatch(e, _Request(x, x2, bias, od, DispatchKey._make(key)))
-    elif not d.backend.rejects_non_finite:
+        p = e.plans[key] = make_plan(e, Request(x, x2, bias, od, backend, precision, cands))
+    elif p.scan:
         check_values(x, bias)
     grads = _grad_inputs(x, w, bias)
     if grads is None:
-        y = _run(e, d, x, x2, bias, od, key)
+        y = _run(p, key, x, x2, bias, od)
     else:
-        y = _without_gradient(lambda: _run(e, d, x, x2, bias, od, key), grads)
+        y = _without_gradient(lambda: _run(p, key, x, x2, bias, od), grads)
     return y if len(shape) == 2 else y.reshape(*shape[:-1], e.N)
 
 
-def _run(e: _WeightEntry, d: _Dispatch, x: torch.Tensor, x2: torch.Tensor, bias, od: torch.dtype,
-         key: tuple) -> torch.Tensor:
+def _run(p: Plan, key: tuple, x: torch.Tensor, x2: torch.Tensor, bias, od: torch.dtype) -> torch.Tensor:
     try:
-        return d.backend.linear(x2, d.prepared, bias, od, d.scheme)
+        return p.backend.linear(x2, p.prepared, bias, od, p.scheme)
     except Exception as exc:
         # A backend that rejects NaN/Inf itself (rejects_non_finite) raised: the caller's error,
         # worded as on a first call (x's own index, not its flattened view's), and never blamed
         # on the backend under "auto". The kind checks again too: a failure on an input no
         # backend should have been given never marks backends failed.
+        e = p.entry
         check_x(x)
         check_call(x, e.N, e.K, e.qw.data.device, bias, od)
         check_values(x, bias)
-        if not d.auto:
+        if p.decision_key is None:
             raise
-        return _fallback(e, d, _Request(x, x2, bias, od, DispatchKey._make(key)), exc)
+        k = DispatchKey._make(key)
+        return _fallback(p, key, Request(x, x2, bias, od, k.backend, k.precision, k.candidates), exc)
 
 
-def _fallback(e: _WeightEntry, d: _Dispatch, req: _Request, exc: Exception) -> torch.Tensor:
+def _fallback(p: Plan, key: tuple, req: Request, exc: Exception) -> torch.Tensor:
     """The chosen backend raised under "auto" on checked input: mark it failed for this case and
     retry down the ranking (the reference is last)."""
     while True:
-        _select.mark_failed(d.backend.name, d.key, exc)
-        d = _resolve_dispatch(e, req)
+        _select.mark_failed(p.backend.name, p.decision_key, exc)
+        p = p.entry.plans[key] = make_plan(p.entry, req)
         try:
-            return d.backend.linear(req.x2, d.prepared, req.bias, req.out_dtype, d.scheme)
+            return p.backend.linear(req.x2, p.prepared, req.bias, req.out_dtype, p.scheme)
         except Exception as exc2:
-            if d.backend.name == "reference":
+            if p.backend.name == "reference":
                 raise
             exc = exc2
+
 
 
 def explain(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | None = None, *,
@@ -438,7 +342,7 @@ def explain(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | N
     N, K = (w.data if isinstance(w, Quantized) else w).shape
     case = _Case(M=x.numel() // K, N=N, K=K, recipe=recipe, x_dtype=x.dtype, out_dtype=od, device=str(x.device),
                  has_bias=bias is not None)
-    d = _select.select(case, precision, candidates=_check_candidates(candidates), refresh=refresh)
+    d = _select.select(case, precision, candidates=check_candidates(candidates), refresh=refresh)
     if print_table:
         print(d.table())
     return d

@@ -1,0 +1,101 @@
+"""CPU time of a warm eager ``Fp8Linear`` call over its backend's own ``linear`` (issue 42's budget).
+
+For each SmolLM2-135M linear shape and M in (1, 64): builds an ``Fp8Linear`` (``weight_check``
+given), warms it, then times, alternating in rounds, ``layer(x)`` and the chosen backend's
+``linear(x2, prepared, bias, out_dtype, scheme)`` alone, in ``time.process_time`` (CPU seconds:
+the machine may be shared). Prints per shape the CPU microseconds per call of each and the
+difference, and the distribution of the differences. Run under ``OMP_NUM_THREADS=1`` and ``=2``.
+
+    python benchmarks/call_overhead.py [--iters 2000] [--rounds 5] [--weight-check sample]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+
+import fp8ref
+
+#: SmolLM2-135M's linear layers (out, in): q/o, k/v, gate/up, down.
+SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
+
+
+class _Ready:
+    """A backend whose ``linear`` returns a tensor made beforehand: what remains is fp8ref's Python."""
+
+    name, rejects_non_finite = "ready", True
+
+    def __init__(self, y: torch.Tensor):
+        self.y = y
+
+    def linear(self, x, prepared, bias, out_dtype, scheme):
+        return self.y
+
+
+def _per_call(fn, iters: int) -> float:
+    t0 = time.process_time()
+    for _ in range(iters):
+        fn()
+    return (time.process_time() - t0) / iters * 1e6
+
+
+def measure(N: int, K: int, M: int, iters: int, rounds: int, weight_check: str,
+            dtype: torch.dtype = torch.bfloat16) -> tuple[str, float, float, float]:
+    lin = torch.nn.Linear(K, N, bias=False, dtype=dtype)
+    q = fp8ref.Fp8Linear.from_linear(lin, weight_check=weight_check)
+    x = torch.randn(M, K, dtype=dtype)
+    with torch.no_grad():
+        q(x)
+        plan = q.plan(x)
+        backend, prepared, scheme, od = plan.backend, plan.prepared, plan.scheme, plan.out_dtype
+
+        def layer():
+            q(x)
+
+        def kernel():
+            backend.linear(x, prepared, None, od, scheme)
+
+        layer(), kernel()
+        a, b = [], []
+        for _ in range(rounds):
+            a.append(_per_call(layer, iters))
+            b.append(_per_call(kernel, iters))
+        plans = q._plans.plans
+        key = next(k for k, v in plans.items() if v is plan)
+        plans[key] = dataclasses.replace(plan, backend=_Ready(kernel_out := backend.linear(x, prepared, None, od,
+                                                                                            scheme)))
+        assert kernel_out is not None
+        c = [_per_call(layer, iters * 10) for _ in range(rounds)]
+    return backend.name, min(a), min(b), min(c)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--weight-check", default="sample")
+    a = p.parse_args()
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, "
+          f"weight_check={a.weight_check}")
+    over, python = [], []
+    for N, K in SHAPES:
+        for M in (1, 64):
+            iters = a.iters if M == 1 else max(a.iters // 10, 50)
+            name, t_layer, t_kernel, t_py = measure(N, K, M, iters, a.rounds, a.weight_check)
+            over.append(t_layer - t_kernel)
+            python.append(t_py)
+            print(f"{N:5d}x{K:<5d} M={M:<3d} {name:12s} layer {t_layer:8.1f} us  kernel {t_kernel:8.1f} us  "
+                  f"over {t_layer - t_kernel:6.1f} us  layer's Python alone {t_py:5.2f} us")
+    for what, v in (("over the kernel", over), ("Python alone", python)):
+        v.sort()
+        print(f"{what}, us: min {v[0]:.2f} median {statistics.median(v):.2f} max {v[-1]:.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
