@@ -34,6 +34,11 @@ Static schemes get their scale from the problem (``static``, ``STATIC_KINDS``): 
 (32x too small: most values clamp at qmax), ``pow2`` (the dynamic scale rounded up to a power of
 two: x/s exact, so grid families land exactly on ties), ``pow2_low`` (rounded down: up to 2x
 saturation, exact division), ``wide`` (non-power-of-two, distinct per block).
+
+Why this module is long: it is the one table of what the suite feeds kernels -- every value
+family, code family and static-scale kind, each built next to the description a failing example
+prints -- and a family split from its siblings would be read without the invariants they share
+(the grid exponent ranges, the scale blocks they anchor).
 """
 
 from __future__ import annotations
