@@ -45,6 +45,7 @@ from .registry import (
     BackendInfo,
     Case,
     NonFinite,
+    ScaleLayout,
     backends,
     get_backend,
     register_backend,
@@ -132,6 +133,7 @@ if not any(isinstance(f, _MovedModuleFinder) for f in _sys.meta_path):
 __all__ = [
     "Backend",
     "NonFinite",
+    "ScaleLayout",
     "RAISE",
     "PROPAGATE",
     "BackendInfo",

@@ -25,13 +25,13 @@ def test_every_e8m0_byte_round_trips():
     b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     v = L.e8m0_decode(b)
     assert torch.isnan(v[255]) and not bool(torch.isnan(v[:255]).any())
-    assert torch.equal(L.e8m0_encode(v[:255]), b[:255])
+    assert torch.equal(L.e8m0_encode(v), b)
     # the same bytes as torch's own float8_e8m0fnu for every finite code
     assert torch.equal(b.view(torch.float8_e8m0fnu).float()[:255], v[:255])
 
 
 def test_e8m0_refuses_what_it_cannot_hold():
-    for bad in (3.0, 0.0, -1.0, float("inf"), float("nan"), 2.0**-128, 2.0**128):
+    for bad in (3.0, 0.0, -1.0, float("inf"), 2.0**-128, 2.0**128):
         with pytest.raises(ValueError, match="power of two"):
             L.e8m0_encode(torch.tensor([1.0, bad], dtype=torch.float64))
 

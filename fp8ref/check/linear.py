@@ -39,6 +39,7 @@ from .common import (
     _same_bits,
     backend_threads,
     poison_allocator,
+    to_backend_layout,
 )
 from .given import GivenLinear
 from .problems import LinearProblem
@@ -160,9 +161,9 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     x, bias, scale = x.clone(), _clone(bias), _clone(scale)
     prepared = _prepare(backend, _copy(qw), w)
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
-    qx = _quantize(backend, x, p.recipe.activation, scale)
+    qx = to_backend_layout(backend, _dev(_quantize(backend, x, p.recipe.activation, scale)), "activation")
     with backend_threads():
-        y2 = _host(backend.scaled_mm(_dev(qx), prepared, _dev(bias), p.out_dtype))
+        y2 = _host(backend.scaled_mm(qx, prepared, _dev(bias), p.out_dtype))
     if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
         raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
                                 f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
@@ -177,7 +178,7 @@ def _prepare(backend: Backend, qw: Quantized, w: torch.Tensor) -> Any:
     with backend_threads():
         if backend.float_weight:
             return backend.prepare_weight(_dev(w.clone()))
-        return backend.prepare_weight(_dev(qw))
+        return backend.prepare_weight(to_backend_layout(backend, _dev(qw), "weight"))
 
 
 def check_linear_refuses_non_finite(backend: Backend, p: LinearProblem) -> float:

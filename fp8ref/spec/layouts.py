@@ -42,9 +42,9 @@ import torch
 from .quant import Quantized
 from .schemes import QuantScheme
 
-__all__ = ["LOGICAL", "E8M0", "MN_MAJOR", "UE8M0_PACKED", "MX_SWIZZLED", "LAYOUTS", "ScaleLayout", "StoredQuantized",
-           "e8m0_encode", "e8m0_decode", "encode_scale", "decode_scale", "encode", "decode", "mn_major_ld",
-           "swizzle_offsets"]
+__all__ = ["LOGICAL", "E8M0", "MN_MAJOR", "UE8M0_PACKED", "MX_SWIZZLED", "LAYOUTS", "E8M0_LAYOUTS", "ScaleLayout",
+           "StoredQuantized", "e8m0_encode", "e8m0_decode", "encode_scale", "decode_scale", "encode", "decode",
+           "mn_major_ld", "swizzle_offsets"]
 
 LOGICAL = "logical"
 E8M0 = "e8m0"
@@ -53,8 +53,8 @@ UE8M0_PACKED = "ue8m0-packed"
 MX_SWIZZLED = "mx-swizzled"
 #: Every layout, the logical float tensor first.
 LAYOUTS = (LOGICAL, E8M0, MN_MAJOR, UE8M0_PACKED, MX_SWIZZLED)
-#: Layouts that hold E8M0 bytes (power-of-two scales only).
-_BYTE_LAYOUTS = (E8M0, UE8M0_PACKED, MX_SWIZZLED)
+#: Layouts that hold E8M0 bytes (power-of-two scales and NaN only).
+E8M0_LAYOUTS = (E8M0, UE8M0_PACKED, MX_SWIZZLED)
 
 _E8M0_BIAS = 127
 _E8M0_NAN = 0xFF
@@ -88,26 +88,29 @@ class ScaleLayout:
 
 
 def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (``torch.uint8``, same shape) of positive power-of-two scales 2**-127 .. 2**127.
+    """E8M0 bytes (``torch.uint8``, same shape) of positive power-of-two scales 2**-127 .. 2**127,
+    and NaN (0xFF).
 
-    Raises ``ValueError`` naming the first scale that is not such a power of two (E8M0 has no
-    mantissa: storing anything else would round, a decision the scheme did not make).
+    Raises ``ValueError`` naming the first scale that is neither (E8M0 has no mantissa, no zero and
+    no infinity: storing anything else would round, a decision the scheme did not make).
 
     Examples
     --------
     >>> import torch
     >>> from fp8ref.spec.layouts import e8m0_encode
-    >>> e8m0_encode(torch.tensor([1.0, 0.5, 2.0**-127, 2.0**127])).tolist()
-    [127, 126, 0, 254]
+    >>> e8m0_encode(torch.tensor([1.0, 0.5, 2.0**-127, 2.0**127, float("nan")])).tolist()
+    [127, 126, 0, 254, 255]
     """
     s = scale.to(torch.float64)
     m, e = torch.frexp(s)
     byte = e.to(torch.int64) - 1 + _E8M0_BIAS
-    bad = ~((m == 0.5) & (byte >= 0) & (byte <= 254))
+    nan = torch.isnan(s)
+    byte = torch.where(nan, torch.full_like(byte, _E8M0_NAN), byte)
+    bad = ~(((m == 0.5) & (byte >= 0) & (byte <= 254)) | nan)
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"scale {float(s[idx])!r} at index {idx} is not a power of two in [2**-127, 2**127]: "
-                         "E8M0 holds only those")
+                         "E8M0 holds only those and NaN")
     return byte.to(torch.uint8)
 
 
@@ -187,7 +190,7 @@ def _expect(stored: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ..
         raise ValueError(f"{layout} scales have dtype {stored.dtype}, expected one of {dtypes}")
     if tuple(stored.shape) != shape:
         raise ValueError(f"{layout} scales have shape {tuple(stored.shape)}, expected {shape}")
-    if strides is not None:
+    if strides is not None and stored.numel() > 0:  # an empty buffer has no strides to speak of
         got = stored.stride()
         if any(n > 1 and g != w for n, g, w in zip(shape, got, strides, strict=True)):
             raise ValueError(f"{layout} scales have strides {got}, expected {strides}")

@@ -27,8 +27,10 @@ from ...check.common import (  # noqa: F401 -- re-exported: the per-op modules a
     _require,
     _same_bits,
     backend_threads,
+    from_backend_layout,
     poison_allocator,
     reference_threads,
+    to_backend_layout,
 )
 from ..profiles import Profile
 from ..scope import Scope
