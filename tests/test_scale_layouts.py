@@ -121,3 +121,39 @@ def test_quantized_operands_round_trip_in_every_layout():
                 back = L.decode(L.encode(q, layout, poison=True))
                 assert torch.equal(back.data.view(torch.uint8), q.data.view(torch.uint8))
                 assert torch.equal(back.scale, q.scale) and back.scheme == q.scheme
+
+
+# --------------------------------------------------------------------------------------------
+# a backend's declared layout
+
+
+def test_register_backend_refuses_a_stored_layout():
+    class Packed(fp8ref.Backend):
+        name = "test-ue8m0-packed"
+        scale_layout = fp8ref.ScaleLayout(activation=L.UE8M0_PACKED, weight=L.UE8M0_PACKED)
+
+    with pytest.raises(ValueError, match="logical float scales"):
+        fp8ref.register_backend(Packed())
+    with pytest.raises(ValueError, match="unknown scale layout"):
+        fp8ref.ScaleLayout(activation="row-major-bytes")
+
+
+def test_the_suite_encodes_with_poison_and_decodes_through_the_reference():
+    from fp8ref.check.common import ContractViolation, Declined, from_backend_layout, to_backend_layout
+
+    class Swizzled(fp8ref.Backend):
+        name = "test-mx"
+        scale_layout = fp8ref.ScaleLayout(activation=L.MX_SWIZZLED, weight=L.MX_SWIZZLED)
+
+    b = Swizzled()
+    q = fp8ref.quantize(torch.randn(3, 70), fp8ref.MXFP8.activation)  # 3 x 3 scales: padding on both axes
+    stored = to_backend_layout(b, q, "activation")
+    assert isinstance(stored, L.StoredQuantized) and int((stored.scale.view(torch.uint8) == 0xFF).sum()) == 512 - 9
+    assert torch.equal(from_backend_layout(b, stored, "activation").scale, q.scale)
+    with pytest.raises(ContractViolation, match="declares activation scales in the mx-swizzled layout"):
+        from_backend_layout(b, q, "activation")  # a logical Quantized from a backend that declared bytes
+    with pytest.raises(ContractViolation, match="decoder refuses"):
+        from_backend_layout(b, L.StoredQuantized(q.data, stored.scale[:-1], q.scheme, L.MX_SWIZZLED), "activation")
+    with pytest.raises(Declined, match="cannot be stored"):  # a scale E8M0 cannot hold: outside the premise
+        to_backend_layout(b, fp8ref.quantize(torch.randn(3, 70), fp8ref.QuantScheme(granularity="group",
+                                                                                        group_size=32)), "weight")
