@@ -33,10 +33,11 @@ import torch
 
 from . import _env
 from .spec.bounds import Accumulation, PrecisionClass, check_output_roundings, precision_class
+from .spec.layouts import ScaleLayout
 from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
 
-__all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "RAISE", "PROPAGATE", "register_backend",
+__all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "ScaleLayout", "RAISE", "PROPAGATE", "register_backend",
            "unregister_backend", "get_backend", "backends", "ENTRY_POINT_GROUP", "ENV_ALLOW", "OPS", "decline_reason",
            "backend_quantize", "is_trusted", "origin"]
 
@@ -189,6 +190,15 @@ class Backend:
         ``Fp8Linear`` hand backends quantized weights, so ``register_backend`` refuses such a
         backend; it is certified from outside (``fp8ref.conformance.check``, ``fp8ref certify``).
         Default False.
+    scale_layout : ScaleLayout
+        How the backend holds scales in memory (``fp8ref.spec.layouts``; docs/spec.md, "Scale
+        storage layouts"): ``activation`` for ``scaled_mm``'s ``a`` and what ``quantize`` returns,
+        ``weight`` for what ``prepare_weight`` receives. Default: the logical float tensor of
+        ``fp8ref.Quantized`` on both. A backend declaring another layout receives a
+        ``fp8ref.spec.layouts.StoredQuantized`` in that layout (its padding poisoned by the
+        conformance suite) and returns one from ``quantize``, which the suite reads through the
+        reference decoder. ``fp8ref.linear`` hands backends logical scales, so ``register_backend``
+        refuses such a backend; it is certified from outside (``fp8ref.conformance.check``).
     version : str or None
         What the selector's cache key holds of this backend's code beyond its class and
         declaration (a digest of native sources, a library's version): a decision timed on other
@@ -206,6 +216,7 @@ class Backend:
     time_budget_s: float | None = None
     bench_skip_reason: str | None = None
     float_weight: bool = False
+    scale_layout: ScaleLayout = ScaleLayout()
     version: str | None = None
 
     @property
@@ -421,6 +432,13 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
         raise ValueError(f"backend {backend.name!r} declares float_weight (it quantizes the float weight itself): "
                          "fp8ref.linear hands backends the spec's quantized weight; certify it with "
                          "fp8ref.conformance.check instead of registering it")
+    layout = backend.scale_layout
+    if not isinstance(layout, ScaleLayout):
+        raise TypeError(f"backend {backend.name!r}: scale_layout must be an fp8ref.ScaleLayout, got "
+                        f"{type(layout).__name__}")
+    if not layout.logical:
+        raise ValueError(f"backend {backend.name!r} declares scale layouts {layout}: fp8ref.linear hands backends "
+                         "logical float scales; certify it with fp8ref.conformance.check instead of registering it")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
     _ENTRY_POINT_NAMES.discard(backend.name)  # the user's own registration: their choice

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from ..registry import Backend, Case, backend_quantize, decline_reason
-from ..spec import quant
+from ..spec import layouts, quant
 from ..spec.compare import compare, compare_bits
 from ..spec.quant import Quantized
 from .given import GIVEN_PROBLEMS
@@ -22,7 +22,7 @@ from .given import GIVEN_PROBLEMS
 __all__ = ["ContractViolation", "Declined", "poison_allocator", "reference_threads", "backend_threads",
            "backend_device", "require_supported", "to_backend_device", "to_host", "call_quantize", "spec_quantize",
            "build_problem", "call_scaled_mm", "same_bits", "first_diff", "check_within", "negate_codes",
-           "cached_reference", "copy_quantized"]
+           "cached_reference", "copy_quantized", "to_backend_layout", "from_backend_layout"]
 
 
 class ContractViolation(AssertionError):
@@ -141,9 +141,43 @@ def to_host(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
+def to_backend_layout(backend: Backend, q: Quantized, role: str):
+    """``q`` as ``backend`` consumes it: its scales encoded in the layout it declares for ``role``
+    ("activation" or "weight", ``Backend.scale_layout``) with the padding poisoned (NaN, 0xFF bytes),
+    so a kernel that reads padding reads poison; ``q`` itself for the logical layout. An operand
+    the layout cannot hold (a scale that is not a power of two, for an E8M0 layout) is outside the
+    premise: ``Declined``."""
+    layout = getattr(backend.scale_layout, role)
+    if layout == layouts.LOGICAL:
+        return q
+    try:
+        return layouts.encode(q, layout, poison=True)
+    except ValueError as exc:
+        raise Declined(f"premise: the {role} operand cannot be stored in the declared layout {layout}: {exc}") from None
+
+
+def from_backend_layout(backend: Backend, q, role: str, what: str = "quantize"):
+    """A ``Quantized`` the backend produced, read through the reference decoder of the layout it
+    declares for ``role``; ``ContractViolation`` when it returned another layout or a buffer the
+    decoder refuses (wrong dtype, shape or strides). Anything that is not a quantized tensor is
+    returned as is (the caller judges it)."""
+    layout = getattr(backend.scale_layout, role)
+    if layout == layouts.LOGICAL:
+        return q
+    if not isinstance(q, layouts.StoredQuantized) or q.layout != layout:
+        got = q.layout if isinstance(q, layouts.StoredQuantized) else type(q).__name__
+        raise ContractViolation(f"{what} returned {got}, but the backend declares {role} scales in the {layout} "
+                                "layout (a fp8ref.spec.layouts.StoredQuantized)")
+    try:
+        return q.decode()
+    except (ValueError, TypeError) as exc:
+        raise ContractViolation(f"{what} returned {layout} scales the reference decoder refuses: {exc}") from None
+
+
 def call_quantize(backend: Backend, x: torch.Tensor, scheme, scale: torch.Tensor | None = None) -> Quantized:
     with backend_threads():
         q = to_host(backend_quantize(backend, to_backend_device(x), scheme, to_backend_device(scale)))
+    q = from_backend_layout(backend, q, "activation")
     if not isinstance(q, Quantized):
         raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
     if q.scheme != scheme:
@@ -179,12 +213,14 @@ def call_scaled_mm(backend: Backend, a: Quantized, b: Quantized, bias, out_dtype
     only on its own row of ``a``, with that row's scales, and on ``b``)."""
     M, N = a.data.shape[0], b.data.shape[0]
     a, b, bias = to_backend_device(a), to_backend_device(b), to_backend_device(bias)
+    b = to_backend_layout(backend, b, "weight")
     with backend_threads():
         prepared = backend.prepare_weight(b)
     ys = []
     for r0 in range(0, max(M, 1), rows or max(M, 1)):
         ai = a if rows is None else _row_chunk(a, r0, min(r0 + rows, M))
         m = ai.data.shape[0]
+        ai = to_backend_layout(backend, ai, "activation")
         poison_allocator((m, N), a.data.device, poison)
         with backend_threads():
             y = to_host(backend.scaled_mm(ai, prepared, bias, out_dtype))

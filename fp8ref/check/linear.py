@@ -38,6 +38,7 @@ from .common import (
     same_bits,
     spec_quantize,
     to_backend_device,
+    to_backend_layout,
     to_host,
 )
 from .given import GivenLinear
@@ -161,9 +162,9 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     x, bias, scale = x.clone(), _clone(bias), _clone(scale)
     prepared = _prepare(backend, copy_quantized(qw), w)
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
-    qx = call_quantize(backend, x, p.recipe.activation, scale)
+    qx = to_backend_layout(backend, to_backend_device(call_quantize(backend, x, p.recipe.activation, scale)), "activation")
     with backend_threads():
-        y2 = to_host(backend.scaled_mm(to_backend_device(qx), prepared, to_backend_device(bias), p.out_dtype))
+        y2 = to_host(backend.scaled_mm(qx, prepared, to_backend_device(bias), p.out_dtype))
     if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
         raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
                                 f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
@@ -178,7 +179,7 @@ def _prepare(backend: Backend, qw: Quantized, w: torch.Tensor) -> Any:
     with backend_threads():
         if backend.float_weight:
             return backend.prepare_weight(to_backend_device(w.clone()))
-        return backend.prepare_weight(to_backend_device(qw))
+        return backend.prepare_weight(to_backend_layout(backend, to_backend_device(qw), "weight"))
 
 
 def check_linear_refuses_non_finite(backend: Backend, p: LinearProblem) -> float:

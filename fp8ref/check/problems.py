@@ -26,6 +26,7 @@ from ..spec.schemes import QuantScheme, Recipe
 from .values import (
     BIAS_MODES,
     CODE_FAMILIES,
+    EDGE_FAMILIES,
     EXHAUSTIVE_FAMILIES,
     GRID_FAMILIES,
     MAGNITUDES,
@@ -48,6 +49,7 @@ __all__ = [
     "VALUE_FAMILIES",
     "GRID_FAMILIES",
     "EXHAUSTIVE_FAMILIES",
+    "EDGE_FAMILIES",
     "MAGNITUDES",
     "exhaustive_shape",
     "CODE_FAMILIES",

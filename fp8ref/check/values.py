@@ -24,10 +24,21 @@ large as the bound's mass and every rounding of a partial sum shows), spike (sma
 significand rounds every small product away, one with more bits keeps them -- see
 docs/conformance.md, "Precision of declarations").
 
+Edge families (``EDGE_FAMILIES``; drawn by the corner sweep, not by the search): ``pow2_edge``
+puts in every scale block one value of magnitude qmax * 2**exp moved k = -2 .. 2 ulps of the input
+dtype (k cycling from block to block), the rest below a quarter of it: amax / qmax lies within a
+few ulps above or below a power of two, where a power-of-two scale computed with a float
+``ceil(log2(.))`` (or ``floor(log2(.)) + 1``) lands on the wrong power.
+
 Static schemes get their scale from the problem (``static``, ``STATIC_KINDS``): ``saturate``
 (32x too small: most values clamp at qmax), ``pow2`` (the dynamic scale rounded up to a power of
 two: x/s exact, so grid families land exactly on ties), ``pow2_low`` (rounded down: up to 2x
 saturation, exact division), ``wide`` (non-power-of-two, distinct per block).
+
+Why this module is long: it is the one table of what the suite feeds kernels -- every value
+family, code family and static-scale kind, each built next to the description a failing example
+prints -- and a family split from its siblings would be read without the invariants they share
+(the grid exponent ranges, the scale blocks they anchor).
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from ..spec.formats import Fp8Format
 from ..spec.quant import Quantized, compute_scale
 from ..spec.schemes import QuantScheme
 
-__all__ = ["VALUE_FAMILIES", "EXHAUSTIVE_FAMILIES", "MAGNITUDES", "exhaustive_shape", "GRID_FAMILIES",
+__all__ = ["VALUE_FAMILIES", "EXHAUSTIVE_FAMILIES", "EDGE_FAMILIES", "MAGNITUDES", "exhaustive_shape", "GRID_FAMILIES",
            "CODE_FAMILIES", "PLACES", "STATIC_KINDS", "BIAS_MODES", "TensorSpec",
            "CodeSpec", "make_tensor", "make_codes", "anchor_blocks", "static_scale", "place_index", "swamp_ok",
            "dname"]
@@ -56,6 +67,8 @@ VALUE_FAMILIES = ("normal", "uniform", "zeros", "single", "constant_rows", "zero
 #: and quantizes at a scale of its own magnitude; ``amax_rows`` has one row per positive finite value
 #: v of the dtype, ``[v, -3v/4, 9v/128, v/2**9, v/2**12, -v/3, v/2**20, 0]``: every value is a row's amax.
 EXHAUSTIVE_FAMILIES = ("all_bits", "amax_rows")
+#: Families the corner sweep draws and the search does not (they need the quantizing scheme).
+EDGE_FAMILIES = ("pow2_edge",)
 #: Families whose values are built on the scheme's grid: the dynamic scale is exactly 2**exp.
 GRID_FAMILIES = ("ties", "qmax", "on_grid", "underflow")
 CODE_FAMILIES = ("bits", "small", "sparse", "extremes", "zeros", "positive", "spike", "swamp")
@@ -199,6 +212,32 @@ def _underflow_points(fmt: Fp8Format) -> torch.Tensor:
     return torch.cat([torch.tensor([0.0, 0.25, 0.5, 0.75], dtype=torch.float64), k, k[1:] + 0.5]) * sub
 
 
+#: The ulp steps of ``pow2_edge``'s anchor, block by block.
+_EDGE_STEPS = (1, -1, 0, 2, -2)
+
+
+def _pow2_edge(rows: int, cols: int, dtype: torch.dtype, scheme: QuantScheme, exp: int,
+               g: torch.Generator) -> torch.Tensor:
+    """``pow2_edge``: in every block one value qmax * 2**e moved k ulps of ``dtype`` (k from
+    ``_EDGE_STEPS``), at a random place with alternating sign; the other values below a quarter of
+    it. 2**e is clamped so that qmax * 2**e is exact and normal in ``dtype`` and, two ulps up, below
+    the quarter of the dtype's max that ``make_tensor`` clamps to."""
+    lo, hi = _grid_exp_range(dtype, scheme.format)
+    hi = min(hi, math.floor(math.log2(torch.finfo(dtype).max / 4 / scheme.qmax)) - 1)
+    top = scheme.qmax * 2.0 ** max(min(exp, hi), lo)
+    x = torch.randn(rows, cols, generator=g, dtype=torch.float64).clamp(-1.0, 1.0) * (top / 4)
+    anchor = torch.tensor(top, dtype=dtype)
+    for (r0, r1), (c0, c1), i in _blocks(rows, cols, scheme):
+        k = _EDGE_STEPS[i % len(_EDGE_STEPS)]
+        v = anchor
+        for _ in range(abs(k)):
+            v = torch.nextafter(v, torch.tensor(float("inf") if k > 0 else 0.0, dtype=dtype))
+        pr = int(torch.randint(r1 - r0, (1,), generator=g))
+        pc = int(torch.randint(c1 - c0, (1,), generator=g))
+        x[r0 + pr, c0 + pc] = float(v) * (1.0 if i % 2 == 0 else -1.0)
+    return x
+
+
 def _finite_patterns(dtype: torch.dtype) -> torch.Tensor:
     """Every finite non-negative value of a 16-bit float dtype, in increasing bit (and value) order."""
     if dtype not in (torch.bfloat16, torch.float16):
@@ -292,6 +331,10 @@ def make_tensor(spec: TensorSpec, rows: int, cols: int, dtype: torch.dtype,
         x = _spike(torch.randn(rows, cols, generator=g, dtype=f64), scheme, spec.place, g)
         if dtype == torch.float16:
             scale = 2.0 ** min(spec.exp, 4)  # 2**9 * 2**exp stays far below fp16's max
+    elif fam == "pow2_edge":
+        if scheme is None:
+            raise ValueError("family 'pow2_edge' needs the scheme that will quantize the tensor")
+        x, scale = _pow2_edge(rows, cols, dtype, scheme, spec.exp, g), 1.0
     elif fam in GRID_FAMILIES:
         if scheme is None:
             raise ValueError(f"family {fam!r} needs the scheme that will quantize the tensor")
@@ -313,7 +356,7 @@ def make_tensor(spec: TensorSpec, rows: int, cols: int, dtype: torch.dtype,
         sign = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0).to(f64)
         x = anchor_blocks(sign * pts[idx], scheme, qmax)
     else:
-        raise ValueError(f"unknown value family {fam!r}; expected one of {VALUE_FAMILIES}")
+        raise ValueError(f"unknown value family {fam!r}; expected one of {VALUE_FAMILIES + EDGE_FAMILIES}")
     x = x * scale
     big = torch.finfo(dtype).max / 4
     return x.clamp(-big, big).to(dtype)
@@ -424,11 +467,13 @@ def _make_scales(spec: CodeSpec, rows: int, cols: int, scheme: QuantScheme, g: t
         i = torch.arange(shape[0]).reshape(-1, 1)
         j = torch.arange(shape[1]).reshape(1, -1)
         e = spec.scale_exp + ((3 * i + 5 * j) % 7 - 3).to(torch.float64)
-        s = torch.exp2(e) * (1 + ((i + 2 * j) % 4).to(torch.float64) / 8)
+        s = torch.exp2(e)
+        if not scheme.pow2_scale:  # a pow2 scheme's scales are powers of two (E8M0 holds nothing else)
+            s = s * (1 + ((i + 2 * j) % 4).to(torch.float64) / 8)
     else:
         e = spec.scale_exp + torch.randint(-2, 3, shape, generator=g).to(torch.float64)
         s = torch.exp2(e)
-        if not spec.pow2_scales:
+        if not spec.pow2_scales and not scheme.pow2_scale:
             s = s * (1 + torch.rand(shape, generator=g, dtype=torch.float64))
     info = torch.finfo(scheme.scale_dtype)
     return s.clamp(float(info.tiny), float(info.max) / 2).to(scheme.scale_dtype)

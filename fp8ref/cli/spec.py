@@ -75,6 +75,9 @@ RECIPE_LINES = {
     "fp8_block": "128x128 weight blocks, dynamic 1x128 activation groups (DeepSeek-V3 style block FP8)",
     "fp8_dynamic": "w8a8_fp8's numbers in the compressed-tensors FP8_DYNAMIC checkpoint layout (-FP8-dynamic models)",
     "w8a8_fp8_rocm": "w8a8_fp8 in E4M3FNUZ clamped at 224 (the ROCm variant)",
+    "mxfp8": "MX: 1x32 groups along K on both operands, power-of-two (E8M0) scales rounded up, E4M3",
+    "mxfp8_e5m2": "mxfp8 with E5M2 elements",
+    "fp8_block_ue8m0": "fp8_block with power-of-two (UE8M0) scales rounded up (DeepSeek-V3.1, DeepGEMM SM100)",
 }
 
 

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from ..registry import Backend, Case, decline_reason
+from ..spec import layouts
 from ..spec.quant import Quantized
-from ..spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8
+from ..spec.schemes import FP8_BLOCK, FP8_BLOCK_UE8M0, FP8_PER_TENSOR, MXFP8, W8A8_FP8
 
 __all__ = ["accumulator_bits", "PROBE_MAX_BITS"]
 
@@ -85,7 +86,7 @@ def accumulator_bits(backend: Backend, device: str = "cpu",
     if "scaled_mm" not in backend.ops and "linear" in backend.ops:
         return _linear_bits(backend, device, map_problem)
     for K in _KS:
-        for recipe in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK):
+        for recipe in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK, MXFP8, FP8_BLOCK_UE8M0):
             for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
                 # Small-M kernels (decode) decline 32 rows: feed them the probe rows in chunks.
                 for rows in (_M, 16, 4, 1):
@@ -98,11 +99,12 @@ def accumulator_bits(backend: Backend, device: str = "cpu",
 def _read(backend: Backend, recipe, out_dtype: torch.dtype, rows: int, device: str, K: int) -> int:
     a, b = _operands(recipe, K)
     b = Quantized(b.data.to(device), b.scale.to(device), b.scheme)
-    prepared = backend.prepare_weight(b)
+    prepared = backend.prepare_weight(layouts.encode(b, backend.scale_layout.weight, poison=True))
     ys = []
     for m0 in range(0, _M, rows):
         part = Quantized(a.data[m0:m0 + rows].to(device), a.scale[:1].expand(
             a.scheme.scale_shape(rows, K)).contiguous().to(device), a.scheme)
+        part = layouts.encode(part, backend.scale_layout.activation, poison=True)
         ys.append(backend.scaled_mm(part, prepared, None, out_dtype).to(torch.float64).cpu())
     y = torch.cat(ys)
     lost = []
@@ -122,7 +124,7 @@ def _linear_bits(backend: Backend, device: str, map_problem: Callable[[Any], Any
     from .problems import LinearProblem, TensorSpec
 
     for K in _KS:
-        for base in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK):
+        for base in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK, MXFP8, FP8_BLOCK_UE8M0):
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 for out_dtype in dict.fromkeys((torch.float32, dtype)):
                     p = LinearProblem(_M, _N, K, base, dtype, out_dtype, TensorSpec(), TensorSpec())
@@ -147,7 +149,8 @@ def _read_linear(backend: Backend, recipe, dtype: torch.dtype, out_dtype: torch.
     for n, d in enumerate(_D):
         w[n, 1] = d
     x, w = x.to(dtype).to(device), w.to(dtype).to(device)
-    prepared = backend.prepare_weight(w if backend.float_weight else quantize(w, recipe.weight))
+    prepared = backend.prepare_weight(w if backend.float_weight else layouts.encode(
+        quantize(w, recipe.weight), backend.scale_layout.weight, poison=True))
     y = backend.linear(x, prepared, None, out_dtype, recipe.activation).to(torch.float64).cpu()
     lost = []
     for m, c in enumerate(_C):

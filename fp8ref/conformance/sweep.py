@@ -29,7 +29,12 @@ generated for the profile and the backend, organised in sections, one per class 
   only (``Contract.exhaustive``);
 * **rounding count**: biases that cancel row 0 of the product, for bf16 and fp16 outputs;
 * **accumulation precision**: swamped dot products for every significand width in
-  ``SWAMP_BITS``, at K = 64 and at the longest K of the profile.
+  ``SWAMP_BITS``, at K = 64 and at the longest K of the profile;
+* **recipes of current kernels**: MX (1x32 power-of-two scales, E4M3, E5M2 and mixed), DeepSeek's
+  1x128 activations with 128x128 UE8M0 weight blocks, per-tensor x per-row and per-token x block,
+  with N and K not multiples of the block (``CURRENT_RECIPES``, ``RECIPE_SHAPES``); and, under every
+  power-of-two scheme, fp32, bf16 and fp16 inputs whose amax / qmax lies a few ulps above or below a
+  power of two (the ``pow2_edge`` family), for quantize and linear.
 
 Each item names a preferred scheme (or recipe, output dtype, bias) and, when the backend declines
 it, takes the next one in a fixed rotation that it accepts, so a narrow backend still gets every
@@ -64,12 +69,23 @@ from ..check.problems import (
 )
 from ..registry import Backend, decline_reason
 from ..spec.formats import E4M3FNUZ, E5M2
-from ..spec.schemes import FP8_BLOCK, FP8_PER_TENSOR, W8A8_FP8, W8A8_FP8_ROCM, QuantScheme, Recipe
+from ..spec.schemes import (
+    FP8_BLOCK,
+    FP8_BLOCK_UE8M0,
+    FP8_PER_TENSOR,
+    MXFP8,
+    MXFP8_E5M2,
+    W8A8_FP8,
+    W8A8_FP8_ROCM,
+    QuantScheme,
+    Recipe,
+)
 from .profiles import Profile, boundary_sizes
 from .scope import Scope
 from .strategies import INPUT_DTYPES, OUT_DTYPES, SWAMP_BITS
 
-__all__ = ["corner_sweep", "exhaustive", "QUANTIZE_SCHEMES", "GEMM_RECIPES", "MAGNITUDES"]
+__all__ = ["corner_sweep", "exhaustive", "QUANTIZE_SCHEMES", "GEMM_RECIPES", "CURRENT_RECIPES", "RECIPE_SHAPES",
+           "POW2_SCHEMES", "MAGNITUDES"]
 
 _f32, _f16, _bf16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -218,6 +234,39 @@ _G_FORMATS = (
     _r("e5m2-block", _qs(format=E5M2, granularity="block", block=(3, 5)), _qs(format=E5M2, granularity="group",
                                                                                group_size=5)),
 )
+_BLOCK128 = _qs(granularity="block", block=(128, 128))
+#: The recipes kernels use today (docs/conformance.md, "Where kernels break": recipes of current
+#: kernels): MX on E4M3, E5M2 and mixed (E4M3 activations, E5M2 weights), DeepSeek's 1x128 x
+#: 128x128 with UE8M0 scales, and mixed granularities.
+CURRENT_RECIPES: tuple[Recipe, ...] = (
+    MXFP8,
+    MXFP8_E5M2,
+    FP8_BLOCK_UE8M0,
+    _r("mxfp8-e5m2-weights", MXFP8_E5M2.weight, MXFP8.activation),
+    _r("row-x-tensor", _ROW, _TENSOR),
+    _r("tensor-x-row", _TENSOR, _ROW),
+    _r("block128-x-token", _BLOCK128, _ROW),
+)
+#: (recipe, M, N, K) of the recipe section: N and K not multiples of the block (a partial last
+#: 1x32 group, a partial 128-row weight block and a partial 128-wide K block), and whole blocks.
+RECIPE_SHAPES: tuple[tuple[Recipe, int, int, int], ...] = (
+    (MXFP8, 3, 5, 100),
+    (MXFP8, 2, 33, 64),
+    (MXFP8_E5M2, 4, 7, 45),
+    (CURRENT_RECIPES[3], 2, 6, 96),
+    (FP8_BLOCK_UE8M0, 3, 130, 120),
+    (FP8_BLOCK_UE8M0, 2, 66, 200),
+    (FP8_BLOCK_UE8M0, 5, 40, 256),
+    (CURRENT_RECIPES[4], 3, 9, 40),
+    (CURRENT_RECIPES[5], 4, 5, 33),
+    (CURRENT_RECIPES[6], 3, 129, 100),
+)
+#: The power-of-two schemes whose scale computation the ``pow2_edge`` items aim at.
+POW2_SCHEMES: tuple[QuantScheme, ...] = (MXFP8.activation, MXFP8_E5M2.activation, FP8_BLOCK_UE8M0.activation,
+                                         FP8_BLOCK_UE8M0.weight, _qs(granularity="row", pow2_scale=True))
+#: Exponents of the ``pow2_edge`` anchors: away from 2**0, where fp32's log2 of 1 + 2**-23 is still
+#: above 0 and a float ceil(log2) happens to be right.
+_EDGE_EXPS = (8, -9, 5, -14, 3)
 _SMALL_ROWS = (1, 2, 3, 5)
 _SMALL_MN = ((1, 3), (2, 16), (3, 17), (5, 4))  # (rows of one operand, rows of the other)
 _SMALL_NK = ((3, 16), (5, 24), (16, 17), (4, 33), (2, 9))
@@ -347,6 +396,15 @@ def _quantize_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list
                 for i, sch in enumerate(schemes):
                     order = [sch] if claimed is None else claimed
                     yield [QuantizeProblem(rows, cols, dt, s2, TensorSpec(fam, 0, i)) for s2 in order]
+    # power-of-two scales: amax / qmax a few ulps above or below a power of two, every input dtype
+    for i, s in enumerate(POW2_SCHEMES):
+        for j, dt in enumerate((_f32, _bf16, _f16)):
+            rows, cols = ((4, 160), (3, 256), (130, 40))[(i + j) % 3] if s.granularity.value == "block" else (
+                (5, 100), (2, 70), (9, 33))[(i + j) % 3]
+            if _fits(p, (rows, cols)):
+                x = TensorSpec("pow2_edge", _EDGE_EXPS[(i + j) % len(_EDGE_EXPS)], 1500 + 3 * i + j)
+                yield [QuantizeProblem(rows, cols, dt, s2, x) for s2 in ([s] + _rot(main, i + j + seed)
+                                                                        if claimed is None else claimed)]
     # scale layouts: grids of several rows and columns, every block its own amax
     for i, (s, rows, cols) in enumerate(_Q_LAYOUTS):
         if _fits(p, (rows, cols)):
@@ -446,6 +504,17 @@ def _gemm_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[Gem
         a = CodeSpec(fam, 600 + 2 * i, -12, True)
         b = CodeSpec(fam, 601 + 2 * i, -12, False)
         yield cands((5, 1, 3)[i % 3], (16, 7, 33)[i % 3], (48, 17, 130)[i % 3], a, b, [r], i)
+    # recipes of current kernels: MX, UE8M0 blocks, mixed granularities, partial blocks on N and K;
+    # the named recipe first, then (for a backend that declines it) the rest of the section's
+    for i, (r, M, N, K) in enumerate(RECIPE_SHAPES):
+        if _fits(p, (M, K), (N, K)):
+            fam = ("bits", "spike", "positive")[i % 3]
+            a = CodeSpec(fam, 1600 + 2 * i, -9, True, "last" if fam == "spike" else "", distinct_scales=fam == "bits")
+            b = CodeSpec(fam, 1601 + 2 * i, -9, True, "last" if fam == "spike" else "", distinct_scales=fam == "bits")
+            order = [r] + [c for c in _rot(CURRENT_RECIPES, i + seed) if c != r] if claimed is None else claimed
+            has_bias, mode = _rot(bias_modes, i + 2 * seed)[0]
+            yield [GemmProblem(M, N, K, rr, o, a, b, has_bias, i, 0, bias_mode=mode)
+                   for rr in order for o in _rot(OUT_DTYPES, i + seed)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,6 +563,28 @@ def _linear_items(p: Profile, seed: int, scope: Scope | None) -> Iterable[list[L
         for exp in (-4, 4):
             yield cands(M, N, K, TensorSpec(("normal", "outliers", "spike")[i], exp, 1300 + i, "last"), w_spec, main,
                         i + 7)
+    # recipes of current kernels (the named recipe first), then amax / qmax a few ulps from a power
+    # of two under each power-of-two recipe, in every input dtype
+    current = _linear_recipes(CURRENT_RECIPES)
+    for i, (r, M, N, K) in enumerate(RECIPE_SHAPES):
+        if _fits(p, (M, K), (N, K)):
+            x = TensorSpec(("spike", "normal", "outliers")[i % 3], 0, 1400 + i, "last")
+            order = [r] + [c for c in _rot(current, i + seed) if c != r] if claimed is None else main
+            has_bias, mode = _rot(bias_modes, i + 2 * seed)[0]
+            dts = _rot(INPUT_DTYPES, i + seed)
+            yield [LinearProblem(M, N, K, rr, dt, o, x, w_spec, has_bias, mode) for rr in order for dt in dts
+                   for o in (dt, _f32)]
+    pow2 = [r for r in current if r.activation.pow2_scale]
+    for i, r in enumerate(pow2):
+        for j, dt in enumerate((_f32, _bf16, _f16)):
+            M, N, K = ((3, 5, 100), (2, 130, 120), (4, 9, 64))[(i + j) % 3]
+            if not _fits(p, (M, K), (N, K)):
+                continue
+            x = TensorSpec("pow2_edge", _EDGE_EXPS[(i + j) % len(_EDGE_EXPS)], 1450 + 3 * i + j)
+            w = TensorSpec("pow2_edge", _EDGE_EXPS[(i + j + 2) % len(_EDGE_EXPS)], 1460 + 3 * i + j)
+            order = [r] + [c for c in _rot(current, i + j + seed) if c != r] if claimed is None else main
+            has_bias, mode = _rot(bias_modes, i + j + 2 * seed)[0]
+            yield [LinearProblem(M, N, K, rr, dt, o, x, w, has_bias, mode) for rr in order for o in (dt, _f32)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from ..conformance.problems import GemmProblem, LinearProblem, QuantizeProblem
 from ..registry import Backend, Case
-from ..spec import quant
+from ..spec import layouts, quant
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme, Recipe
 
@@ -62,6 +62,8 @@ def as_scheme_scale(s: torch.Tensor, scheme: QuantScheme, rows: int, cols: int) 
     """The peer's scale tensor in the scheme's shape and dtype; raises if that would change a value
     (a peer whose stored scales cannot be the scheme's declines the scheme in ``supports``)."""
     want = scheme.scale_shape(rows, cols)
+    if s.dtype == torch.float8_e8m0fnu:  # E8M0 bytes (torchao's scale_dtype): the reference decoder
+        s = layouts.e8m0_decode(s)
     s = s.reshape(want) if s.numel() == want[0] * want[1] else s
     if tuple(s.shape) != want:
         raise ValueError(f"peer returned scales of shape {tuple(s.shape)}, the scheme needs {want}")

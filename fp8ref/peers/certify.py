@@ -151,7 +151,10 @@ def _accepted_quantize(peer: Peer, rows: int = 128, cols: int = 256) -> list[tup
 def _candidate_recipes() -> list[Recipe]:
     group64 = Recipe("block64", QuantScheme(granularity="block", block=(64, 64)),
                      QuantScheme(granularity="group", group_size=64))
-    return list(RECIPES.values()) + [group64]
+    # The presets a peer's scope was first claimed from: the pow2 presets added later (mxfp8,
+    # mxfp8_e5m2, fp8_block_ue8m0) reach every peer through the corner sweep's recipe section, and
+    # widening a recorded claim would change certificates that were never re-run on them.
+    return [r for r in RECIPES.values() if not (r.weight.pow2_scale or r.activation.pow2_scale)] + [group64]
 
 
 def _accepted_gemm(peer: Peer) -> list[tuple[Recipe, torch.dtype, bool]]:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..registry import Case
+from ..spec import layouts
 from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN, E4M3FNUZ, E5M2
 from ..spec.quant import Quantized
@@ -157,8 +158,7 @@ class JaxMXFP8(Peer):
             raise ValueError(f"{self.name}: dynamic scales only")
         q, s = quantize(to_jax(x), jax.nn.get_scaled_dot_general_config("mxfp8"))
         data = from_jax(q, torch.float8_e4m3fn)
-        e = torch.from_numpy(np.asarray(s).view(np.uint8).astype(np.int32))
-        scale = torch.ldexp(torch.ones(e.shape, dtype=torch.float64), e - 127).to(torch.float32)
+        scale = layouts.e8m0_decode(torch.from_numpy(np.asarray(s).view(np.uint8).copy()))
         return self._quantized(data, scale, scheme)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .formats import E4M3FN, E4M3FNUZ, Fp8Format, get_format
+from .formats import E4M3FN, E4M3FNUZ, E5M2, Fp8Format, get_format
 
 __all__ = [
     "Granularity",
@@ -26,6 +26,9 @@ __all__ = [
     "FP8_BLOCK",
     "FP8_DYNAMIC",
     "W8A8_FP8_ROCM",
+    "MXFP8",
+    "MXFP8_E5M2",
+    "FP8_BLOCK_UE8M0",
     "RECIPES",
     "get_recipe",
 ]
@@ -314,11 +317,37 @@ W8A8_FP8_ROCM = Recipe(
     QuantScheme(format=E4M3FNUZ, granularity="row", qmax=224.0),
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK, FP8_DYNAMIC, W8A8_FP8_ROCM)}
+#: OCP MX FP8 (MXFP8, E4M3 elements): 1x32 groups along K on both operands, power-of-two scales
+#: (E8M0 in memory, ``fp8ref.spec.layouts``), rounded up: amax / qmax never clips (NVIDIA's
+#: cuBLAS/TransformerEngine MXFP8 recipe; the OCP spec's floor(log2 amax) - emax rule can clip, a
+#: defect here: docs/spec.md §3.1).
+MXFP8 = Recipe(
+    "mxfp8",
+    QuantScheme(granularity="group", group_size=32, pow2_scale=True),
+    QuantScheme(granularity="group", group_size=32, pow2_scale=True),
+)
+#: MXFP8 with E5M2 elements on both operands.
+MXFP8_E5M2 = Recipe(
+    "mxfp8_e5m2",
+    QuantScheme(format=E5M2, granularity="group", group_size=32, pow2_scale=True),
+    QuantScheme(format=E5M2, granularity="group", group_size=32, pow2_scale=True),
+)
+#: DeepSeek-V3.1 / DeepGEMM on SM100 (``fp8_block`` with UE8M0 scales): 128x128 weight blocks, 1x128
+#: activation groups, every scale a power of two rounded up (vLLM/SGLang ``scale_fmt="ue8m0"``),
+#: stored as exponent bytes packed 4 per int32 (``fp8ref.spec.layouts.UE8M0_PACKED``).
+FP8_BLOCK_UE8M0 = Recipe(
+    "fp8_block_ue8m0",
+    QuantScheme(granularity="block", block=(128, 128), pow2_scale=True),
+    QuantScheme(granularity="group", group_size=128, pow2_scale=True),
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (W8A8_FP8, FP8_PER_TENSOR, FP8_BLOCK, FP8_DYNAMIC, W8A8_FP8_ROCM,
+                                                  MXFP8, MXFP8_E5M2, FP8_BLOCK_UE8M0)}
 
 
 def get_recipe(recipe: Recipe | str) -> Recipe:
-    """A recipe by object or preset name (``w8a8_fp8``, ``fp8``, ``fp8_block``, ``fp8_dynamic``, ...)."""
+    """A recipe by object or preset name (``w8a8_fp8``, ``fp8``, ``fp8_block``, ``fp8_dynamic``,
+    ``w8a8_fp8_rocm``, ``mxfp8``, ``mxfp8_e5m2``, ``fp8_block_ue8m0``)."""
     if isinstance(recipe, Recipe):
         return recipe
     if isinstance(recipe, str) and recipe in RECIPES:

@@ -13,13 +13,23 @@ from .bugs import *  # noqa: F403 -- the mutant classes, by name
 from .bugs import MUTANTS as _BUGS
 from .calling import *  # noqa: F403 -- the calling contract's mutants and correct variants, by name
 from .calling import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS
+from .layouts import *  # noqa: F403 -- backends holding scales in a declared storage layout, by name
+from .layouts import LAYOUT_CORRECT, LAYOUT_MUTANTS
 from .scales import *  # noqa: F403 -- the scale-soundness mutants and their correct twin, by name
 from .scales import SCALE_CORRECT, SCALE_MUTANTS
 from .variants import *  # noqa: F403 -- the correct variants, by name
 from .variants import CORRECT as _VARIANTS
 
-MUTANTS = _BUGS + SCALE_MUTANTS
-CORRECT = _VARIANTS + SCALE_CORRECT
+MUTANTS = _BUGS + SCALE_MUTANTS + LAYOUT_MUTANTS
+CORRECT = _VARIANTS + SCALE_CORRECT + LAYOUT_CORRECT
 
-__all__ = ["CLASSES", "CORRECT", "MUTANTS", "CALLING_CLASSES", "CALLING_CORRECT", "CALLING_MUTANTS", "Fp32Base",
+
+def claim_of(cls) -> tuple | None:
+    """The recipes a narrow backend of the catalogue is certified for (``check(..., schemes=)``):
+    its ``claim``, None (every scheme the suite draws) for the others."""
+    return getattr(cls, "claim", None)
+
+
+__all__ = ["CLASSES", "CORRECT", "MUTANTS", "claim_of",
+           "CALLING_CLASSES", "CALLING_CORRECT", "CALLING_MUTANTS", "Fp32Base",
            "fp32_mm", "sequential_sum", "truncating_sum"]

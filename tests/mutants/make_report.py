@@ -30,7 +30,7 @@ from fp8ref.spec import quant
 from fp8ref.spec.schemes import RECIPES
 
 from .base import CLASSES
-from .catalogue import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS, CORRECT, MUTANTS
+from .catalogue import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS, CORRECT, MUTANTS, claim_of
 from .ladder import LADDER, swamp_ratio
 
 _SHAPES = [(1, 16, 16), (17, 64, 128), (33, 16, 144), (64, 64, 272), (5, 32, 160), (128, 16, 256)]
@@ -118,17 +118,19 @@ def main(argv=None) -> int:
     rows, correct_rows = [], []
     t_all = time.process_time()
     for cls in MUTANTS:
-        first, dt = _timed(lambda c=cls: check(c(), ci, seed=0, fail_fast=True))
-        detected = [not first.passed] + [not check(cls(), fast, seed=s, fail_fast=True).passed
+        first, dt = _timed(lambda c=cls: check(c(), ci, seed=0, fail_fast=True, schemes=claim_of(c)))
+        detected = [not first.passed] + [not check(cls(), fast, seed=s, fail_fast=True, schemes=claim_of(cls)).passed
                                          for s in range(1, args.seeds)]
-        search, dt_search = _timed(lambda c=cls: check(c(), ci, seed=0, fail_fast=True, sweep=False))
+        search, dt_search = _timed(lambda c=cls: check(c(), ci, seed=0, fail_fast=True, sweep=False,
+                                                          schemes=claim_of(c)))
         f = first.failures[0] if first.failures else None
         fs = search.failures[0] if search.failures else None
         rows.append((cls, dt, sum(detected) / len(detected), f, first.examples_to_detection,
                      peer_rates(cls(), args.trials), not search.passed, dt_search, fs))
         print(cls.name, f"{dt:.1f}s", sum(detected), not search.passed, flush=True)
     for cls in CORRECT:
-        reports, dt = _timed(lambda c=cls: [check(c(), fast, seed=s, ops=c.changes) for s in range(args.seeds)])
+        reports, dt = _timed(lambda c=cls: [check(c(), fast, seed=s, ops=c.changes, schemes=claim_of(c))
+                                            for s in range(args.seeds)])
         worst = max((r.result("scaled_mm.bound").worst_ratio or 0.0) for r in reports)
         correct_rows.append((cls, dt, sum(r.passed for r in reports) / len(reports), worst,
                              peer_rates(cls(), args.trials)))

@@ -190,8 +190,34 @@ class TileScaleRatioGemm(Fp32Base):
         return finish(acc * (ratio * s[-1]), bias, out_dtype)
 
 
+class Pow2FloatLog2(Fp32Base):
+    name = "mutant-pow2-float-log2-ceil"
+    upstream = "sglang#29954"
+    klass = "scales and values"
+    bug = ("power-of-two (UE8M0) scales as 2**ceil(log2(s)) with an fp32 log2: one power low when s is a few ulps "
+           "above a power of two (fp32's log2 of 2**8 (1 + 2**-23) is 8)")
+
+    def _pow2(self, s: torch.Tensor) -> torch.Tensor:
+        return torch.pow(2.0, torch.ceil(torch.log2(s)))
+
+    def quantize(self, x, scheme, scale=None):
+        if not (scheme.pow2_scale and scheme.dynamic and scheme.scale_dtype == torch.float32):
+            return reference_quantize(x, scheme, scale)
+        s = quant.compute_scale(x, scheme.with_(pow2_scale=False))  # the fp32 quotient max(amax, floor) / qmax
+        return _quantize_with_scale(x, scheme, self._pow2(s).clamp(min=torch.finfo(torch.float32).tiny))
+
+
+class Pow2FrexpDoubles(Pow2FloatLog2):
+    name = "mutant-pow2-frexp-doubles"
+    upstream = "microsoft/onnxruntime PR#32122 (review)"
+    bug = "the power of two taken as 2**e of frexp(s) = m 2**e: a scale that is already a power of two is doubled"
+
+    def _pow2(self, s: torch.Tensor) -> torch.Tensor:
+        return torch.ldexp(torch.ones_like(s), torch.frexp(s)[1])
+
+
 SCALE_MUTANTS = (FusedTileLocalAmax, FusedAmaxRowSubset, FusedAmaxWrongAxis, FusedScaleHalved, FusedStaleScale,
-                 ScaleUnderflowZero, FlushToZeroGemm, TileScaleRatioGemm)
+                 ScaleUnderflowZero, FlushToZeroGemm, TileScaleRatioGemm, Pow2FloatLog2, Pow2FrexpDoubles)
 SCALE_CORRECT = (FusedLinear,)
 
 __all__ = [c.__name__ for c in SCALE_MUTANTS + SCALE_CORRECT] + ["SCALE_MUTANTS", "SCALE_CORRECT"]

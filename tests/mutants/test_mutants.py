@@ -27,7 +27,7 @@ from fp8ref.conformance.contracts import CALLING_CONTRACT_NAMES, CALLING_DIMENSI
 from fp8ref.spec.bounds import Accumulation
 
 from .base import CLASSES
-from .catalogue import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS, CORRECT, MUTANTS
+from .catalogue import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS, CORRECT, MUTANTS, claim_of
 from .ladder import LADDER, swamp_ratio
 
 PROFILE = get_profile("ci").with_(shrink=False)
@@ -50,7 +50,7 @@ def test_catalogue_size():
 @pytest.mark.parametrize("cls", MUTANTS, ids=lambda c: c.name)
 def test_suite_rejects_mutant(cls):
     for seed in SEEDS:
-        report = check(cls(), PROFILE, seed=seed, fail_fast=True)
+        report = check(cls(), PROFILE, seed=seed, fail_fast=True, schemes=claim_of(cls))
         assert not report.passed and report.verdict == "fail", (
             f"{cls.name} ({cls.upstream}: {cls.bug}) passed every contract at seed {seed}")
         first = report.failures[0]
@@ -60,7 +60,7 @@ def test_suite_rejects_mutant(cls):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("cls", CORRECT, ids=lambda c: c.name)
 def test_suite_accepts_correct_variant(cls, seed):
-    report = check(cls(), PROFILE, seed=seed, ops=cls.changes)
+    report = check(cls(), PROFILE, seed=seed, ops=cls.changes, schemes=claim_of(cls))
     assert report.passed, report.to_text()
 
 

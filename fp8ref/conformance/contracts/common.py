@@ -23,12 +23,14 @@ from ...check.common import (  # noqa: F401 -- re-exported: the per-op modules a
     check_within,
     copy_quantized,
     first_diff,
+    from_backend_layout,
     negate_codes,
     poison_allocator,
     reference_threads,
     require_supported,
     same_bits,
     spec_quantize,
+    to_backend_layout,
 )
 from ..profiles import Profile
 from ..scope import Scope

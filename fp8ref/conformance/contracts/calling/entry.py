@@ -27,10 +27,12 @@ from ..common import (
     backend_threads,
     check_within,
     first_diff,
+    from_backend_layout,
     poison_allocator,
     require_supported,
     same_bits,
     spec_quantize,
+    to_backend_layout,
 )
 from ..linear import _backend_linear
 
@@ -78,6 +80,7 @@ class _Op:
         if self.name == "quantize":
             q = backend.quantize(args["x"], p.scheme) if "scale" not in args else backend.quantize(
                 args["x"], p.scheme, scale=args["scale"])
+            q = from_backend_layout(backend, q, "activation")
             if not isinstance(q, Quantized):
                 raise ContractViolation(f"quantize returned {type(q).__name__}, not an fp8ref.Quantized")
             return {"data": q.data, "scale": q.scale}
@@ -85,11 +88,12 @@ class _Op:
             raise Declined(f"premise: backend {backend.name!r} takes the float weight (float_weight); the calling "
                            "contract hands prepare_weight the spec's quantized weight")
         w = weight if weight is not None else self.weight(args)
-        prepared = backend.prepare_weight(w)
+        prepared = backend.prepare_weight(to_backend_layout(backend, w, "weight"))
         if prepared_hook is not None:
             prepared_hook(prepared)
         if self.name == "scaled_mm":
             a = Quantized(args["a.data"], args["a.scale"], p.recipe.activation)
+            a = to_backend_layout(backend, a, "activation")
             y = backend.scaled_mm(a, prepared, args.get("bias"), p.out_dtype)
         else:
             y = _backend_linear(backend, args["x"], prepared, args.get("bias"), p.out_dtype, p.recipe.activation,
