@@ -162,7 +162,8 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     x, bias, scale = x.clone(), _clone(bias), _clone(scale)
     prepared = _prepare(backend, copy_quantized(qw), w)
     y1 = _backend_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, scale)
-    qx = to_backend_layout(backend, to_backend_device(call_quantize(backend, x, p.recipe.activation, scale)), "activation")
+    qx = call_quantize(backend, x, p.recipe.activation, scale)
+    qx = to_backend_layout(backend, to_backend_device(qx), "activation")
     with backend_threads():
         y2 = to_host(backend.scaled_mm(qx, prepared, to_backend_device(bias), p.out_dtype))
     if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
