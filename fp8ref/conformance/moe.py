@@ -128,7 +128,8 @@ def _schemes(schemes: Sequence[str] | None) -> dict[str, MoeScheme]:
 
 
 def check_moe(backend: MoeBackend | str, profile: Profile | str | None = None, seed: int | None = None, *,
-              schemes: Sequence[str] | None = None, max_examples: int | None = None) -> Report:
+              schemes: Sequence[str] | None = None, max_examples: int | None = None,
+              only: Sequence[str] | None = None, fail_fast: bool = False) -> Report:
     """Certify a MoE backend: the corner sweep, then the Hypothesis search, per scheme it supports.
 
     Parameters
@@ -144,6 +145,10 @@ def check_moe(backend: MoeBackend | str, profile: Profile | str | None = None, s
         Names from ``MOE_SCHEMES`` (all by default).
     max_examples : int, optional
         Fewer search examples per scheme than the profile's.
+    only : sequence of str, optional
+        Run only these of ``MOE_CONTRACTS``.
+    fail_fast : bool
+        Stop after the first failing contract.
 
     Returns
     -------
@@ -169,15 +174,26 @@ def check_moe(backend: MoeBackend | str, profile: Profile | str | None = None, s
     cap = b.conformance_max_elems
     reproduce = (f"python -c \"import fp8ref.conformance.moe as m; print(m.check_moe({b.name!r}, {prof.name!r}, "
                  f"{seed}).to_text())\"")
-    sweep = _Tally("moe.sweep")
-    try:
-        for name, scheme in chosen.items():
-            for spec in moe_sweep(scheme.order):
-                if _fits(spec, cap):
-                    sweep.run(b, spec, name, scheme)
-    except ContractViolation:
-        pass
-    report.results.append(sweep.result(reproduce))
+    contracts = MOE_CONTRACTS if only is None else tuple(only)
+    unknown = set(contracts) - set(MOE_CONTRACTS)
+    if unknown:
+        raise ValueError(f"unknown MoE contracts {sorted(unknown)}; choose from {MOE_CONTRACTS}")
+    if "moe.sweep" in contracts:
+        sweep = _Tally("moe.sweep")
+        try:
+            for name, scheme in chosen.items():
+                for spec in moe_sweep(scheme.order):
+                    if _fits(spec, cap):
+                        sweep.run(b, spec, name, scheme)
+        except ContractViolation:
+            pass
+        report.results.append(sweep.result(reproduce))
+        if fail_fast and report.failures:
+            report.seconds = time.process_time() - t0
+            return report
+    if "moe.search" not in contracts:
+        report.seconds = time.process_time() - t0
+        return report
     search = _Tally("moe.search")
     n = prof.max_examples if max_examples is None else min(max_examples, prof.max_examples)
     if cap is not None:
