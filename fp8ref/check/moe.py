@@ -48,6 +48,9 @@ class MoeSpec:
         differ between experts, and experts whose activations differ.
     outlier_rows : bool
         Every third token scaled by 2**6 (per-tensor scales set by outliers; rank-local ones not).
+    one_static_scale : bool
+        Static schemes: every expert gets the same scale (the largest calibrated one), as the
+        projects load per-expert checkpoint scales for kernels that read one scalar.
     seed : int
     order : str
     """
@@ -61,12 +64,14 @@ class MoeSpec:
     expert_map: str = "none"
     spread: float = 0.0
     outlier_rows: bool = False
+    one_static_scale: bool = False
     seed: int = 0
     order: str = "gate_up"
 
     def short_str(self) -> str:
         extra = "".join([f"-{self.routing}", f"-{self.expert_map}" if self.expert_map != "none" else "",
-                         f"-spread{self.spread:g}" if self.spread else "", "-outliers" if self.outlier_rows else ""])
+                         f"-spread{self.spread:g}" if self.spread else "", "-outliers" if self.outlier_rows else "",
+                         "-onescale" if self.one_static_scale else ""])
         return f"T{self.tokens}K{self.hidden}I{self.inter}E{self.experts}k{self.top_k}{extra}-s{self.seed}"
 
 
@@ -144,6 +149,8 @@ def build_problem(s: MoeSpec, scheme: MoeScheme, out_dtype: torch.dtype = torch.
             ah = torch.tensor(1.0) if pairs is None else tr.h[pairs].abs().amax()
             a1[e] = max(float(ax), 1e-6) / scheme.activation.qmax
             a2[e] = max(float(ah), 1e-6) / scheme.intermediate.qmax
+        if s.one_static_scale:
+            a1, a2 = a1.max().expand(E).clone(), a2.max().expand(E).clone()
         qw = MoeWeights(qw.w13, qw.w13_scale, qw.w2, qw.w2_scale, scheme.weight,
                         None if scheme.activation.dynamic else a1, None if scheme.intermediate.dynamic else a2)
     return MoeProblem(s, x, qw, routing, MoeScheme(scheme.weight, scheme.activation, scheme.intermediate, s.order),

@@ -9,7 +9,8 @@ unchanged, a second call bit-identical):
   scales apart by 2**4 with outlier rows; a token's top-k repeating one expert; token counts that
   are not multiples of a kernel's block (17); an expert-parallel rank with ids at both edges of
   the global range; a shared expert every token reaches; K and I past one 128-block (partial
-  blocks); the other gate/up order;
+  blocks); K and I multiples of 128 (the block kernels' premise); one static scale for all experts
+  (what kernels that read one scalar take); the other gate/up order;
 - ``moe.search``: a Hypothesis search over the same axes (``moe_specs``), seeded by ``seed``.
 
 A backend whose ``conformance_max_elems`` is set (an interpreter) gets the items whose x and whose
@@ -33,7 +34,8 @@ __all__ = ["MOE_SCHEMES", "MOE_CONTRACTS", "moe_sweep", "moe_specs", "check_moe"
 
 _TENSOR = QuantScheme(granularity="tensor")
 _STATIC = QuantScheme(granularity="tensor", dynamic=False)
-_GROUP = QuantScheme(granularity="group", group_size=128)
+#: The fused kernels' group quantizer floors amax at eps = 1e-10 (SGLang and vLLM).
+_GROUP = QuantScheme(granularity="group", group_size=128, amax_floor=1e-10)
 
 #: The schemes of the FP8 fused-MoE paths: name -> MoeScheme.
 MOE_SCHEMES: dict[str, MoeScheme] = {
@@ -61,6 +63,10 @@ def moe_sweep(order: str = "gate_up") -> list[MoeSpec]:
         MoeSpec(6, 40, 24, 4, 3, expert_map="shared", spread=2.0, seed=5, order=order),
         MoeSpec(9, 24, 16, 5, 2, spread=6.0, outlier_rows=True, seed=6, order=order),
         MoeSpec(4, 40, 24, 3, 2, seed=7, order=other),
+        MoeSpec(5, 128, 128, 4, 2, routing="empty", spread=4.0, outlier_rows=True, seed=8, order=order),
+        MoeSpec(17, 128, 128, 3, 2, routing="skewed", expert_map="ep", seed=9, order=order),
+        MoeSpec(6, 128, 128, 4, 3, routing="repeat", expert_map="shared", one_static_scale=True, seed=10, order=order),
+        MoeSpec(3, 40, 24, 3, 2, spread=4.0, one_static_scale=True, seed=11, order=order),
     ]
 
 
@@ -73,13 +79,17 @@ def moe_specs(max_elems: int | None = None, order: str | None = None):
         E = d(st.integers(1, 8))
         k = d(st.integers(1, min(E, 4)))
         T = d(st.sampled_from([1, 2, 3, 5, 8, 15, 16, 17]))
-        K = d(st.sampled_from([8, 16, 24, 40, 127, 128, 136]))
-        I = d(st.sampled_from([8, 16, 24, 40, 72, 129]))
+        if d(st.integers(0, 3)) == 0:  # K and I multiples of 128: the block kernels' premise
+            K, I = 128, 128
+        else:
+            K = d(st.sampled_from([8, 16, 24, 40, 127, 128, 136, 256]))
+            I = d(st.sampled_from([8, 16, 24, 40, 72, 128, 129]))
         while max_elems is not None and (T * K > max_elems or 2 * I * K > max_elems):
             K, I = max(8, K // 2), max(8, I // 2)
         return MoeSpec(T, K, I, E, k, routing=d(st.sampled_from(["random", "skewed", "repeat", "one", "empty"])),
                        expert_map=d(st.sampled_from(["none", "ep", "shared"])),
                        spread=d(st.sampled_from([0.0, 2.0, 4.0, 6.0])), outlier_rows=d(st.booleans()),
+                       one_static_scale=d(st.booleans()),
                        seed=d(st.integers(0, 2**16)),
                        order=order if order is not None else d(st.sampled_from(["gate_up", "up_gate"])))
 
@@ -90,6 +100,7 @@ class _Tally:
     def __init__(self, name: str) -> None:
         self.name, self.examples, self.declined, self.worst = name, 0, 0, None
         self.failure: tuple[str, str] | None = None
+        self.n_failed = 0
         self.t0 = time.process_time()
 
     def run(self, backend: MoeBackend, spec: MoeSpec, scheme_name: str, scheme: MoeScheme) -> None:
@@ -100,15 +111,19 @@ class _Tally:
             self.declined += 1
             return
         except ContractViolation as exc:
-            self.examples += 1
-            self.failure = (label, str(exc))
+            self._fail(label, str(exc))
             raise
         except Exception as exc:  # a crash is a failure of the backend on that input
-            self.examples += 1
-            self.failure = (label, f"raised {exc!r}")
-            raise ContractViolation(self.failure[1]) from exc
+            self._fail(label, f"raised {exc!r}")
+            raise ContractViolation(f"raised {exc!r}") from exc
         self.examples += 1
         self.worst = ratio if self.worst is None else max(self.worst, ratio)
+
+    def _fail(self, label: str, message: str) -> None:
+        self.examples += 1
+        self.n_failed += 1
+        if self.failure is None:  # the first failure is the counterexample
+            self.failure = (label, message)
 
     def result(self, reproduce: str) -> ContractResult:
         status = FAIL if self.failure else (PASS if self.examples else UNTESTED)
@@ -116,7 +131,8 @@ class _Tally:
                               counterexample=self.failure[0] if self.failure else None,
                               message=self.failure[1] if self.failure else None,
                               reproduce=reproduce if self.failure else None,
-                              seconds=time.process_time() - self.t0, op="moe")
+                              seconds=time.process_time() - self.t0, op="moe",
+                              note=f"{self.n_failed} of {self.examples} examples failed" if self.n_failed else None)
 
 
 def _schemes(schemes: Sequence[str] | None) -> dict[str, MoeScheme]:
@@ -179,14 +195,14 @@ def check_moe(backend: MoeBackend | str, profile: Profile | str | None = None, s
     if unknown:
         raise ValueError(f"unknown MoE contracts {sorted(unknown)}; choose from {MOE_CONTRACTS}")
     if "moe.sweep" in contracts:
-        sweep = _Tally("moe.sweep")
-        try:
-            for name, scheme in chosen.items():
-                for spec in moe_sweep(scheme.order):
-                    if _fits(spec, cap):
+        sweep = _Tally("moe.sweep")  # every item runs (fail_fast: up to the first failure)
+        for name, scheme in chosen.items():
+            for spec in moe_sweep(scheme.order):
+                if _fits(spec, cap) and not (fail_fast and sweep.failure):
+                    try:
                         sweep.run(b, spec, name, scheme)
-        except ContractViolation:
-            pass
+                    except ContractViolation:
+                        pass
         report.results.append(sweep.result(reproduce))
         if fail_fast and report.failures:
             report.seconds = time.process_time() - t0
