@@ -27,6 +27,7 @@ fp32.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -63,6 +64,16 @@ def align_block_size(local_ids: torch.Tensor, block_m: int, num_experts: int):
         blocks += [e] * ((len(pairs) + pad) // block_m)
     return (torch.tensor(ids, dtype=torch.int32), torch.tensor(blocks, dtype=torch.int32),
             torch.tensor([len(ids)], dtype=torch.int32))
+
+
+class _Aligned(NamedTuple):
+    """The routed pairs as the kernels take them: router weights, local ids, aligned blocks."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    n_post: torch.Tensor
 
 
 def _local_ids(routing: Routing) -> torch.Tensor:
@@ -180,11 +191,12 @@ class _FusedMoe(MoeBackend):
         if scheme.weight.granularity is Granularity.TENSOR:
             w13s, w2s = w13s.reshape(E), w2s.reshape(E)
         with correct_downcasts():
-            self._gemm(x, weights.w13.contiguous(), cache1, a1, w13s, tw, ids, sorted_ids, expert_ids, n_post,
-                       mul=False, top_k=k, cfg=cfg, block=block, per_channel=per_channel, scheme=scheme.activation)
+            al = _Aligned(tw, ids, sorted_ids, expert_ids, n_post)
+            self._gemm(x, weights.w13.contiguous(), cache1, a1, w13s, al, mul=False, top_k=k, cfg=cfg, block=block,
+                       per_channel=per_channel, scheme=scheme.activation)
             self._act(cache1, cache2, ids, cfg)
-            self._gemm(cache2, weights.w2.contiguous(), cache3.view(T * k, K), a2, w2s, tw, ids, sorted_ids,
-                       expert_ids, n_post, mul=True, top_k=1, cfg=cfg, block=block, per_channel=per_channel,
+            self._gemm(cache2, weights.w2.contiguous(), cache3.view(T * k, K), a2, w2s, al, mul=True, top_k=1, cfg=cfg,
+                       block=block, per_channel=per_channel,
                        scheme=scheme.intermediate)
             out = torch.full((T, K), float("nan"), dtype=torch.bfloat16)
             self._sum(cache3, out)
@@ -194,8 +206,7 @@ class _FusedMoe(MoeBackend):
     def _modules(self):
         raise NotImplementedError
 
-    def _gemm(self, a, b, c, a_scale, b_scale, tw, ids, sorted_ids, expert_ids, n_post, *, mul, top_k, cfg, block,
-              per_channel, scheme):
+    def _gemm(self, a, b, c, a_scale, b_scale, al: _Aligned, *, mul, top_k, cfg, block, per_channel, scheme):
         raise NotImplementedError
 
     def _act(self, cache1, cache2, ids, cfg):
@@ -221,8 +232,7 @@ class SGLangFusedMoe(_FusedMoe):
 
         return kernels
 
-    def _gemm(self, a, b, c, a_scale, b_scale, tw, ids, sorted_ids, expert_ids, n_post, *, mul, top_k, cfg, block,
-              per_channel, scheme):
+    def _gemm(self, a, b, c, a_scale, b_scale, al: _Aligned, *, mul, top_k, cfg, block, per_channel, scheme):
         import triton.language as tl
 
         kernels = self._modules()
@@ -231,9 +241,10 @@ class SGLangFusedMoe(_FusedMoe):
             original = kernels.scaled_fp8_quant
             kernels.scaled_fp8_quant = lambda A, A_scale, **kw: (A, A_scale)
         try:
-            kernels.invoke_fused_moe_kernel(a, b, None, c, a_scale, b_scale, None, tw, ids, sorted_ids, expert_ids,
-                                            n_post, mul, top_k, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
-                                            use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+            kernels.invoke_fused_moe_kernel(a, b, None, c, a_scale, b_scale, None, al.weights, al.ids, al.sorted_ids,
+                                            al.expert_ids, al.n_post, mul, top_k, cfg, compute_type=tl.bfloat16,
+                                            use_fp8_w8a8=True, use_int8_w8a8=False, use_int8_w8a16=False,
+                                            use_int4_w4a16=False,
                                             per_channel_quant=per_channel, block_shape=block)
         finally:
             if block is None:
@@ -261,8 +272,7 @@ class VLLMFusedMoe(_FusedMoe):
 
         return fm, fp8_utils
 
-    def _gemm(self, a, b, c, a_scale, b_scale, tw, ids, sorted_ids, expert_ids, n_post, *, mul, top_k, cfg, block,
-              per_channel, scheme):
+    def _gemm(self, a, b, c, a_scale, b_scale, al: _Aligned, *, mul, top_k, cfg, block, per_channel, scheme):
         import triton.language as tl
 
         fm, fp8_utils = self._modules()
@@ -270,11 +280,11 @@ class VLLMFusedMoe(_FusedMoe):
             a, a_scale = fp8_utils.per_token_group_quant_fp8(a, block[1])
         else:
             a, a_scale = self._quantize_input(a, scheme, a_scale)
-        c3 = c.view(-1, ids.shape[1], c.shape[-1])  # [T, k, N]: the kernel's row stride is C.stride(1)
-        fm.invoke_fused_moe_triton_kernel(a, b, c3, a_scale, b_scale, tw, sorted_ids, expert_ids, n_post, mul, top_k,
-                                          cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True, use_int8_w8a8=False,
-                                          use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=per_channel,
-                                          block_shape=block)
+        c3 = c.view(-1, al.ids.shape[1], c.shape[-1])  # [T, k, N]: the kernel's row stride is C.stride(1)
+        fm.invoke_fused_moe_triton_kernel(a, b, c3, a_scale, b_scale, al.weights, al.sorted_ids, al.expert_ids,
+                                          al.n_post, mul, top_k, cfg, compute_type=tl.bfloat16, use_fp8_w8a8=True,
+                                          use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                                          per_channel_quant=per_channel, block_shape=block)
 
     def _act(self, cache1, cache2, ids, cfg):
         from vllm.model_executor.layers.activation import SiluAndMul
