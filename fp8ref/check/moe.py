@@ -114,6 +114,7 @@ def _routing(s: MoeSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tens
         ids = ids + off
         # and some pairs to the edges of the global range, which live elsewhere
         edge = torch.rand(T, ids.shape[1], generator=gen) < 0.25
+        edge[0, -1] = True  # at least one pair to an expert of another rank
         ids = torch.where(edge, torch.where(torch.rand(T, ids.shape[1], generator=gen) < 0.5, 0, 2 * E - 1), ids)
     return ids, w, emap
 
@@ -127,6 +128,9 @@ def build_problem(s: MoeSpec, scheme: MoeScheme, out_dtype: torch.dtype = torch.
     mags = torch.exp2(torch.linspace(0, s.spread, E)) if E > 1 else torch.ones(1)
     w13 = torch.randn(E, 2 * I, K, generator=gen) * (mags[:, None, None] / math.sqrt(K))
     w2 = torch.randn(E, K, I, generator=gen) * (mags[:, None, None] / math.sqrt(I))
+    # output channels 2**[-2, 2] apart (channel outliers): neighbouring weight blocks get scales that differ
+    w13 = w13 * torch.exp2(torch.rand(E, 2 * I, 1, generator=gen) * 4 - 2)
+    w2 = w2 * torch.exp2(torch.rand(E, K, 1, generator=gen) * 4 - 2)
     x = torch.randn(T, K, generator=gen)
     if s.outlier_rows:
         x[::3] *= 64
