@@ -3,7 +3,8 @@
 ``check_moe_problem`` runs a ``MoeBackend`` on a ``MoeProblem`` and judges its output against the
 reference's float64 result within ``moe_error_bound`` for the backend's declared accuracy, through
 ``fp8ref.spec.compare``. It checks the calling contract too: the inputs are unchanged after the call,
-and a second call returns the same bits (state kept between calls). The conformance driver
+a second call returns the same bits (state kept between calls), and so does a call on x as a strided
+view between poisoned columns. The conformance driver
 (``fp8ref.conformance.moe``) and the selector's MoE probe (``fp8ref.select.moe``) both run it.
 
 ``build_problem`` makes a problem from a small readable description (``MoeSpec``), so that a
@@ -171,7 +172,8 @@ def _clone(p: MoeProblem) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def check_moe_problem(backend: MoeBackend, p: MoeProblem) -> float:
     """The worst error/bound ratio of ``backend`` on ``p``; raises ``Declined`` when the backend
     declines the scheme, ``ContractViolation`` (with the verdict's message) when an element lies
-    outside ``moe_error_bound``, an input changed, or a second call differs in its bits."""
+    outside ``moe_error_bound``, an input changed, or a second call -- or a call on x as a strided view
+    (leading dimension K + 2, poisoned columns around it) -- differs in its bits."""
     reason = backend.available() or backend.supports(p.scheme, p.out_dtype)
     if reason:
         raise Declined(reason)
@@ -192,6 +194,15 @@ def check_moe_problem(backend: MoeBackend, p: MoeProblem) -> float:
     same = compare_bits(f"{backend.name} moe called twice on {p.label}", again, y)
     if not same.ok:
         raise ContractViolation(same.message())
+    # x as a view with a leading dimension larger than K, between poisoned columns
+    T, K = p.x.shape
+    wide = torch.full((T, K + 2), float("nan"), dtype=p.x.dtype)
+    view = wide[:, 1:K + 1]
+    view.copy_(p.x)
+    strided = compare_bits(f"{backend.name} moe on a strided view of x, {p.label}",
+                           backend.moe(view, p.weights, p.routing, p.scheme, p.out_dtype), y)
+    if not strided.ok:
+        raise ContractViolation(strided.message())
     return verdict.ratio
 
 
