@@ -37,7 +37,7 @@ tests/test_layout.py checks all three.
 """
 
 from ._version import __version__ as __version__  # re-exported: the package's version
-from .api import explain, linear, reference_linear
+from .api import explain, linear, moe, reference_linear
 from .checkpoint import CheckpointError, load_fp8_dynamic, save_fp8_dynamic
 from .nn import Fp8Linear
 from .registry import (
@@ -46,11 +46,15 @@ from .registry import (
     Backend,
     BackendInfo,
     Case,
+    MoeBackend,
     NonFinite,
     ScaleLayout,
     backends,
     get_backend,
+    get_moe_backend,
+    moe_backends,
     register_backend,
+    register_moe_backend,
     unregister_backend,
 )
 from .select import BackendUnavailableError, Decision, NoCompliantBackendError, choose_backend
@@ -68,6 +72,8 @@ from .spec.bounds import (
 )
 from .spec.formats import E4M3FN, E4M3FNUZ, E5M2, FORMATS, Fp8Format, get_format
 from .spec.gemm import scaled_mm, scaled_mm_exact
+from .spec.moe import MoeScheme, MoeWeights, Routing, moe_reference, quantize_experts
+from .spec.moe_bounds import MoeAccuracy, moe_error_bound
 from .spec.quant import Quantized, dequantize, quantize
 from .spec.schemes import (
     DEFAULT_AMAX_FLOOR,
@@ -178,6 +184,18 @@ __all__ = [
     "reference_gemm_error_bound",
     "reference_linear",
     "linear",
+    "moe",
+    "moe_reference",
+    "moe_error_bound",
+    "MoeScheme",
+    "MoeWeights",
+    "Routing",
+    "MoeAccuracy",
+    "MoeBackend",
+    "quantize_experts",
+    "get_moe_backend",
+    "moe_backends",
+    "register_moe_backend",
     "explain",
     "Fp8Linear",
     "QuantizeSummary",

@@ -15,6 +15,12 @@ The registry loads once per process, under a lock: every thread that asks for it
 every shipped backend and entry point is registered, so no thread ever sees half of it. A load
 that is interrupted (``KeyboardInterrupt``) or fails is undone, so the next call loads afresh; a
 child forked during a load gets a fresh lock and loads again.
+
+MoE implementations (``MoeBackend``, docs/spec.md §7) have a registry of their own here: a MoE
+layer is another op with another declaration (``MoeAccuracy``), not a dense backend's case.
+
+Why this module is long: it holds both registries, which share the loading lock and the rules of
+registration.
 """
 
 from __future__ import annotations
@@ -34,12 +40,15 @@ import torch
 from . import _env
 from .spec.bounds import Accumulation, PrecisionClass, check_output_roundings, precision_class
 from .spec.layouts import ScaleLayout
+from .spec.moe import MoeScheme, MoeWeights, Routing
+from .spec.moe_bounds import MoeAccuracy
 from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
 
 __all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "ScaleLayout", "RAISE", "PROPAGATE", "register_backend",
            "unregister_backend", "get_backend", "backends", "ENTRY_POINT_GROUP", "ENV_ALLOW", "OPS", "decline_reason",
-           "backend_quantize", "is_trusted", "origin"]
+           "backend_quantize", "is_trusted", "origin", "MoeBackend", "register_moe_backend", "get_moe_backend",
+           "moe_backends"]
 
 ENTRY_POINT_GROUP = "fp8ref.backends"
 #: Comma-separated names of entry-point backends that ``auto`` may consider without being named in
@@ -475,3 +484,77 @@ def backends() -> list[BackendInfo]:
         out.append(BackendInfo(b.name, reason is None, reason, b.precision.value, b.accumulation.name,
                                b.output_roundings, origin(b.name), is_trusted(b.name)))
     return out
+
+
+class MoeBackend:
+    """Base class of an FP8 mixture-of-experts implementation (``fp8ref.moe``; docs/spec.md §7).
+
+    Subclasses set ``name`` and ``accuracy`` (how the layer computes: it fixes the bound
+    ``fp8ref.spec.moe_bounds.moe_error_bound`` checks it against) and implement ``moe``; they
+    override ``available`` and ``supports`` to decline, with a reason.
+
+    Attributes
+    ----------
+    name : str
+        Key in the MoE registry (its own namespace: the dense backends' names are not MoE ones).
+    accuracy : MoeAccuracy
+        Declared accumulation, intermediate dtypes and roundings.
+    conformance_max_elems : int or None
+        For an interpreter: the most elements of x and of one expert's w13 the MoE contracts give it.
+    """
+
+    name: str = ""
+    accuracy: MoeAccuracy = MoeAccuracy()
+    conformance_max_elems: int | None = None
+
+    def available(self) -> str | None:
+        """None if the backend can run on this machine, else the reason it cannot."""
+        return None
+
+    def supports(self, scheme: MoeScheme, out_dtype: torch.dtype) -> str | None:
+        """None if the backend takes this scheme and output dtype, else the reason it does not."""
+        return None
+
+    def moe(self, x: torch.Tensor, weights: MoeWeights, routing: Routing, scheme: MoeScheme,
+            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The MoE layer ``fp8ref.spec.moe.moe_reference`` defines, computed as ``accuracy`` declares."""
+        raise NotImplementedError(f"MoE backend {self.name!r} does not implement moe")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.accuracy.short_str()}>"
+
+
+_MOE_REGISTRY: dict[str, MoeBackend] = {}
+#: Modules of the MoE backends shipped with fp8ref, imported on first use of the MoE registry.
+_MOE_MODULES = ("fp8ref.kernels.moe",)
+
+
+def register_moe_backend(backend: MoeBackend, *, replace: bool = False) -> MoeBackend:
+    """Add ``backend`` to the MoE registry (``replace=True`` to overwrite a name)."""
+    if not isinstance(backend, MoeBackend):
+        raise TypeError(f"expected an fp8ref.MoeBackend instance, got {type(backend).__name__}")
+    if not backend.name or not isinstance(backend.name, str):
+        raise ValueError("a MoE backend needs a non-empty str name")
+    if not isinstance(backend.accuracy, MoeAccuracy):
+        raise TypeError(f"MoE backend {backend.name!r}: accuracy must be an fp8ref MoeAccuracy")
+    if backend.name in _MOE_REGISTRY and not replace:
+        raise ValueError(f"a MoE backend named {backend.name!r} is already registered (pass replace=True)")
+    _MOE_REGISTRY[backend.name] = backend
+    return backend
+
+
+def get_moe_backend(name: str) -> MoeBackend:
+    """The registered MoE backend called ``name`` (KeyError listing the known names otherwise)."""
+    moe_backends()
+    try:
+        return _MOE_REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no MoE backend named {name!r}; registered: {sorted(_MOE_REGISTRY)}") from None
+
+
+def moe_backends() -> list[str]:
+    """The names of every registered MoE backend, the reference first."""
+    with _LOAD_LOCK:
+        for mod in _MOE_MODULES:
+            importlib.import_module(mod)
+    return sorted(_MOE_REGISTRY, key=lambda n: (n != "reference", n))

@@ -9,9 +9,9 @@ of a weight run once per weight (they are cached with its quantized form); a war
 
 ``calls`` holds the user-facing functions and ``fp8ref.linear``'s weight cache; ``plans`` the
 ``Plan`` (one weight under one case, resolved), the per-weight ``WeightEntry`` and the
-``LayerPlans`` a layer holds. Imports flow from the spec, the registry, the selector and
-``fp8ref.weightcheck`` into ``plans``, then ``calls``; ``fp8ref.ops`` and ``fp8ref.nn`` import this
-package.
+``LayerPlans`` a layer holds; ``moe`` the mixture-of-experts entry point. Imports flow from the
+spec, the registry, the selector and ``fp8ref.weightcheck`` into ``plans``, then ``calls``;
+``fp8ref.ops`` and ``fp8ref.nn`` import this package.
 """
 
 from ..spec.checks import X_DTYPES, check_linear_args
@@ -30,8 +30,9 @@ from .calls import (
     reference_linear,
     tensor_version,
 )
+from .moe import moe
 from .plans import STATS, LayerPlans, Plan
 
 __all__ = ["reference_linear", "quantize_weight", "flatten_activations", "linear", "explain", "clear_weight_cache",
            "tensor_version", "check_linear_args", "X_DTYPES", "WEIGHT_CHECKS", "ENV_WEIGHT_CHECK", "DispatchKey",
-           "MemorySample", "SAMPLE_ROWS", "Plan", "LayerPlans", "STATS"]
+           "MemorySample", "SAMPLE_ROWS", "Plan", "LayerPlans", "STATS", "moe"]

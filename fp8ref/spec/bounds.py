@@ -45,6 +45,7 @@ __all__ = [
     "reference_gemm_error_bound",
     "gemm_error_bound",
     "linear_error_bound",
+    "propagated_gemm_bound",
 ]
 
 U_FP64 = 2.0**-53  #: unit roundoff of float64
@@ -627,33 +628,72 @@ def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quan
     (|x| + Q_x) / s_lo, and |y_q*| <= |y_true| + the two terms above in its final rounding.
     """
     check_output_roundings(output_roundings)
-    K = x.shape[1]
     ax, aw = x.to(torch.float64).abs(), w.to(torch.float64).abs()
     qxb, qwb = conforming_quantization_error_bound(x, qx), conforming_quantization_error_bound(w, qw)
+    y_true = x.to(torch.float64) @ w.to(torch.float64).T
+    tiny_x, tiny_w = (float(q.scheme.format.ulp(torch.zeros(1))) for q in (qx, qw))
+    return propagated_gemm_bound(ax, qxb, aw, qwb, y_true, _Operand(qx.scheme, *scale_interval(qx), tiny_x),
+                                 _Operand(qw.scheme, *scale_interval(qw), tiny_w), bias, out_dtype=out_dtype,
+                                 accumulation=accumulation, output_roundings=output_roundings)
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """What the end-to-end bound needs of how one operand is quantized: its scheme, the interval
+    ``[lo, hi]`` of its stored scales (in ``scheme.scale_shape``, float64) and its format's least
+    non-zero magnitude."""
+
+    scheme: QuantScheme
+    lo: torch.Tensor
+    hi: torch.Tensor
+    tiny: float
+
+
+def _segments_of(K: int, x: _Operand, rows_x: int, w: _Operand, rows_w: int) -> list[tuple[int, int]]:
+    """``k_segments`` from the two schemes alone: K ranges on which both scales are constant."""
+    _, cx = x.scheme.block_shape(rows_x, K)
+    _, cw = w.scheme.block_shape(rows_w, K)
+    edges = sorted(set(range(0, K, cx)) | set(range(0, K, cw)) | {K})
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def propagated_gemm_bound(ax: torch.Tensor, qxb: torch.Tensor, aw: torch.Tensor, qwb: torch.Tensor,
+                          y_true: torch.Tensor, x: _Operand, w: _Operand, bias: torch.Tensor | None = None, *,
+                          out_dtype: torch.dtype, accumulation: Accumulation,
+                          output_roundings: int = 1) -> torch.Tensor:
+    """``linear_error_bound``'s inequality for operands known only up to an error: |x| = ``ax``
+    [M, K] with any conforming quantization off by at most ``qxb``, |w| = ``aw`` [N, K] likewise
+    ``qwb``, scales within ``x``'s and ``w``'s intervals; ``y_true`` the float64 product x w^T.
+    Returns the bound on |y_hat - y_true| (``y_true`` without bias; the bias joins it here).
+    The MoE bound (``fp8ref.spec.moe_bounds``) feeds it the activation's re-quantized
+    intermediate, whose error and scale interval it derives itself.
+    """
+    K = ax.shape[1]
     prop = (qxb @ aw.T + ax @ qwb.T + qxb @ qwb.T) * (1 + gamma(K, U_FP64))
     true_err = gamma(K, U_FP64) * (ax @ aw.T)
-    y_true = x.to(torch.float64) @ w.to(torch.float64).T
     abias = _abs_bias(bias, y_true)
     if bias is not None:
         y_true = y_true + bias.to(torch.float64)
     bx, bw = ax + qxb, aw + qwb  # |deq(q')| of any conforming quantization
     mass = (bx @ bw.T) * (1 + gamma(K + 2, U_FP64))
-    segs = k_segments(qx, qw)
-    (lo_x, hi_x), (lo_w, hi_w) = scale_interval(qx), scale_interval(qw)
+    segs = _segments_of(K, x, ax.shape[0], w, aw.shape[0])
+
+    def col(s: torch.Tensor, op: _Operand, rows: int, k: int) -> torch.Tensor:
+        r, c = op.scheme.block_shape(rows, K)
+        return s[:, k // c].repeat_interleave(r)[:rows]
 
     def scale_mass() -> torch.Tensor:
-        return sum((torch.outer(_scale_col(hi_x, qx, k0), _scale_col(hi_w, qw, k0)) for k0, _ in segs),
+        return sum((torch.outer(col(x.hi, x, ax.shape[0], k0), col(w.hi, w, aw.shape[0], k0)) for k0, _ in segs),
                    torch.zeros((), dtype=torch.float64))
 
     def underflow_mass() -> torch.Tensor | None:
-        tiny_x, tiny_w = (float(q.scheme.format.ulp(torch.zeros(1))) for q in (qx, qw))
-        if not _underflow_possible(tiny_x, tiny_w, float(lo_x.min()), float(lo_w.min())):
+        if not _underflow_possible(x.tiny, w.tiny, float(x.lo.min()), float(w.lo.min())):
             return None
-        rows, cols = x.shape
-        cx = torch.clamp(bx / expand_scale(lo_x, qx.scheme, rows, cols), min=1) * torch.clamp(
-            expand_scale(hi_x, qx.scheme, rows, cols), min=1)
-        cw = torch.clamp(bw / expand_scale(lo_w, qw.scheme, *w.shape), min=1) * torch.clamp(
-            expand_scale(hi_w, qw.scheme, *w.shape), min=1)
+        rows, cols = ax.shape
+        cx = torch.clamp(bx / expand_scale(x.lo, x.scheme, rows, cols), min=1) * torch.clamp(
+            expand_scale(x.hi, x.scheme, rows, cols), min=1)
+        cw = torch.clamp(bw / expand_scale(w.lo, w.scheme, *aw.shape), min=1) * torch.clamp(
+            expand_scale(w.hi, w.scheme, *aw.shape), min=1)
         return (cx @ cw.T) * (1 + gamma(K + 2, U_FP64))
 
     g_rows = 1 + gamma(K + 1, U_FP64)
@@ -663,10 +703,3 @@ def linear_error_bound(x: torch.Tensor, w: torch.Tensor, qx: Quantized, qw: Quan
                           scale_mass=scale_mass, underflow_mass=underflow_mass)
     y_abs = y_true.abs() + prop + true_err
     return prop + true_err + pre + unit_roundoff(out_dtype) * (y_abs + pre) + _eta(out_dtype) / 2
-
-
-def _scale_col(s: torch.Tensor, q: Quantized, k: int) -> torch.Tensor:
-    """``scale_column`` of a float64 scale tensor ``s`` laid out as ``q.scale``."""
-    rows, cols = q.data.shape
-    r, c = q.scheme.block_shape(rows, cols)
-    return s[:, k // c].repeat_interleave(r)[:rows]
