@@ -44,7 +44,7 @@ from .report import ERROR, FAIL, PASS, UNTESTED, ContractResult, Report
 __all__ = ["LoadContract", "LOAD_CONTRACTS", "LOAD_CONTRACT_NAMES", "check_loader", "load_sweep"]
 
 #: Local partition sizes the search draws from: below, at and past a 128-row block, one row.
-_SIZES = (1, 2, 3, 16, 64, 100, 127, 128, 129, 192)
+_SIZES = (1, 2, 3, 16, 64, 100, 127, 128, 129, 192, 256)
 _KS = (16, 64, 100, 128, 130, 256)
 _LOCAL_KS = (16, 64, 80, 128, 192)
 #: Elements of the full weight an example may build (the reference quantizes every partition).
@@ -65,6 +65,8 @@ class LoadContract:
 def _problem(loader: WeightLoader, seed: int, *, parts, k, tp=1, rank=0, parallel="column", dtype=torch.float32,
              families=None, exponents=None, reloads=1) -> LoadProblem:
     parts = tuple(parts)
+    if tp == 1 and parallel not in loader.parallel:  # at TP 1 column and row parallel hold the same weight
+        parallel = loader.parallel[0]
     fam = tuple(families) if families is not None else ("normal",) * len(parts)
     exps = tuple(exponents) if exponents is not None else tuple((3 * i) % 7 - 3 for i in range(len(parts)))
     lay = LoadLayout(parts, k, loader.scheme, tp_size=tp, tp_rank=rank, parallel=parallel, offline=loader.offline)
@@ -83,6 +85,7 @@ _PARTITIONS = [
     dict(parts=(64, 64, 64, 64), k=64),                 # GQA-like four small partitions
     dict(parts=(576,), k=128),                          # an MLA width: 4.5 blocks
     dict(parts=(256, 64), k=128, exponents=(-3, 3)),
+    dict(parts=(256, 128, 128), k=256, exponents=(0, -3, 2)),  # an aligned GQA QKV
 ]
 _TP = [
     dict(parts=(256, 128), k=128, tp=2, rank=1),
@@ -92,6 +95,7 @@ _TP = [
     dict(parts=(64, 64), k=320, tp=4, rank=2, parallel="row"),  # 80 columns: K blocks split by ranks
     dict(parts=(128,), k=1024, tp=8, rank=5, parallel="row"),
     dict(parts=(256, 128), k=128, tp=2, rank=0),
+    dict(parts=(512, 256, 256), k=128, tp=2, rank=1),    # an aligned QKV at TP 2
 ]
 _RELOAD = [
     dict(parts=(64, 64, 64), k=128, exponents=(3, -2, 0)),
@@ -190,6 +194,16 @@ def _from_draw(loader: WeightLoader, d: dict, seed: int) -> LoadProblem:
     return _problem(loader, seed * 65537 + s, **d)
 
 
+def _crash(exc: BaseException) -> str:
+    """A loader's own exception (an assertion of its code too: not a verdict of the rule), with
+    where it was raised."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" (raised at {tb.tb_frame.f_code.co_filename.split('site-packages/')[-1]}:{tb.tb_lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
 def _run_contract(loader: WeightLoader, c: LoadContract, prof: Profile, seed: int, sweep: bool) -> ContractResult:
     t0 = time.perf_counter()
     res = ContractResult(c.name, "bound", PASS, op="load")
@@ -241,8 +255,7 @@ def _run_contract(loader: WeightLoader, c: LoadContract, prof: Profile, seed: in
                 state["fail"] = (None, exc)
     if state["fail"] is not None:
         p, exc = state["fail"]
-        res.status = FAIL if isinstance(exc, AssertionError) else ERROR
-        res.message = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+        res.status, res.message = (FAIL, str(exc)) if isinstance(exc, ContractViolation) else (ERROR, _crash(exc))
         res.counterexample = repr(p) if p is not None else None
         res.examples_to_failure = state["first"]
         res.reproduce = (f"fp8ref.conformance.check_loader(<{loader.name}>, profile={prof.name!r}, seed={seed}, "

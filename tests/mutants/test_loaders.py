@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp8ref.conformance import LOAD_CONTRACT_NAMES, check_loader, get_profile
-from fp8ref.spec.loading import LoadLayout, Loaded, source_slices
+from fp8ref.spec.loading import Loaded, LoadLayout, source_slices
 from fp8ref.spec.quant import quantize
 
 from .loaders import LOAD_CLASSES, LOAD_CORRECT, LOAD_MUTANTS, ROW, BlockCeilOffset, ZeroWeightsFp16
