@@ -7,7 +7,7 @@ import torch
 
 from fp8ref.conformance import check_loader
 from fp8ref.peers.loaders.own import loaders
-from fp8ref.spec.loading import LoadLayout, Loaded, entry_index, expectation, loaded_error_bound
+from fp8ref.spec.loading import Loaded, LoadLayout, entry_index, expectation, loaded_error_bound
 from fp8ref.spec.quant import quantize
 from fp8ref.spec.schemes import QuantScheme
 
