@@ -102,6 +102,7 @@ _RELOAD = [
     dict(parts=(256,), k=256),
     dict(parts=(128, 128), k=256, tp=2, rank=1, parallel="row"),
     dict(parts=(100, 28), k=130, exponents=(-1, 2)),
+    dict(parts=(256, 128, 128), k=128, exponents=(1, -2, 3)),
 ]
 _DTYPES = [
     dict(parts=(64, 64), k=128, dtype=torch.float16),                       # sglang#4434: fp16 source
@@ -111,12 +112,14 @@ _DTYPES = [
     dict(parts=(130,), k=64, dtype=torch.float16, families=("tiny",)),
     dict(parts=(16, 16), k=16, dtype=torch.bfloat16, families=("zero", "zero")),
     dict(parts=(64, 100), k=128, dtype=torch.float16, families=("outlier", "wide")),
+    dict(parts=(256, 128, 128), k=128, dtype=torch.float16, families=("normal", "wide", "zero")),
 ]
 _POISON = [
     dict(parts=(64, 64, 64), k=256),
     dict(parts=(100, 28), k=130),
     dict(parts=(130,), k=130),
     dict(parts=(64, 64), k=256, tp=2, rank=1, parallel="row"),
+    dict(parts=(256, 128, 128), k=128),
 ]
 
 

@@ -61,6 +61,7 @@ class QuantizeModelLoader(WeightLoader):
         self.recipe = get_recipe(recipe)
         self.scheme = self.recipe.weight
         self.name = f"fp8ref-quantize-model-{self.recipe.name}"
+        self.entry = f"fp8ref.quantize_model(an nn.Linear per partition of the shard, recipe={self.recipe.name!r})"
 
     def create(self, layout):
         return SimpleNamespace(model=None)
@@ -88,6 +89,7 @@ class Fp8DynamicCheckpointLoader(WeightLoader):
     offline = True
     scheme = FP8_DYNAMIC.weight
     name = "fp8ref-load-fp8-dynamic"
+    entry = "fp8ref.save_fp8_dynamic(the rank slices) + fp8ref.load_fp8_dynamic(an nn.Linear per partition)"
 
     def create(self, layout):
         model = nn.Module()

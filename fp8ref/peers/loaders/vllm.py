@@ -25,6 +25,10 @@ layouts for CUTLASS / DeepGEMM) does nothing; ``requantize_with_max_scale`` call
 computes (``cast(clamp(x * (1 / s)))``, fp32). Tensor parallelism is simulated: the TP rank and
 size that ``linear.py`` and ``parameter.py`` read are patched to the layout's (vLLM's weight
 loaders narrow the full checkpoint tensor themselves; no process group is needed for loading).
+A reload (``load.reload_idempotent``) is vLLM's weight update: ``record_metadata_for_reloading`` at
+creation, ``initialize_layerwise_reload`` before the second load (it restores the layer's loading
+parameters and processes the layer once every element is loaded), ``finalize_layerwise_reload``
+after it.
 """
 
 from __future__ import annotations
@@ -168,13 +172,21 @@ class VLLMFp8CheckpointLoader(WeightLoader):
             else:
                 layer = lin.RowParallelLinear(layout.k, layout.partitions[0], bias=False, quant_config=cfg,
                                               params_dtype=torch.bfloat16, prefix="mlp.down_proj")
-        return SimpleNamespace(layer=layer, method=method)
+        from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+        record_metadata_for_reloading(layer)  # what vLLM records at model init, for weight updates
+        return SimpleNamespace(layer=layer, method=method, loads=0)
 
     def load(self, state, layout, source):
         layer = state.layer
         scale_name = "weight_scale_inv" if self.block else "weight_scale"
         shard_ids = ["q", "k", "v"] if self.kind == "qkv" else list(range(len(layout.partitions)))
+        state.loads += 1
         with _vllm_cpu(layout):
+            if state.loads > 1:  # a weight update: vLLM's layerwise reload, which processes as it loads
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(layer)
             for p, (codes, scale) in enumerate(zip(source.codes, source.scales, strict=True)):
                 for name, t in (("weight", codes), (scale_name, scale if self.block else scale.reshape(()))):
                     param = getattr(layer, name)
@@ -185,7 +197,12 @@ class VLLMFp8CheckpointLoader(WeightLoader):
 
     def process(self, state, layout):
         with _vllm_cpu(layout):
-            state.method.process_weights_after_loading(state.layer)
+            if state.loads > 1:
+                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+                finalize_layerwise_reload(state.layer, None)
+            else:
+                state.method.process_weights_after_loading(state.layer)
 
     def read(self, state, layout):
         layer = state.layer
