@@ -113,6 +113,8 @@ _DTYPES = [
     dict(parts=(16, 16), k=16, dtype=torch.bfloat16, families=("zero", "zero")),
     dict(parts=(64, 100), k=128, dtype=torch.float16, families=("outlier", "wide")),
     dict(parts=(256, 128, 128), k=128, dtype=torch.float16, families=("normal", "wide", "zero")),
+    dict(parts=(96, 32, 32), k=128, dtype=torch.float16, families=("tiny", "normal", "normal")),
+    dict(parts=(32,), k=100, dtype=torch.bfloat16, families=("tiny",)),  # weights near 1e-7
 ]
 _POISON = [
     dict(parts=(64, 64, 64), k=256),
