@@ -14,7 +14,8 @@ Its imports flow down: the registry and the spec, nothing above (not Hypothesis,
 ``values`` (tensor families and static scales), ``problems`` (``QuantizeProblem``,
 ``GemmProblem``, ``LinearProblem``: readable descriptions), ``given`` (problems on tensors the
 caller already holds), ``common`` (outcomes, calls into a backend, the reference cache), the
-per-op checks ``quantize``, ``scaled_mm`` and ``linear``, and ``probe`` (the probe's list).
+per-op checks ``quantize``, ``scaled_mm`` and ``linear``, ``loading`` (the loader contracts' checks:
+a loader driven through create, load, process and read), and ``probe`` (the probe's list).
 """
 
 from .common import ContractViolation, Declined

@@ -19,7 +19,8 @@ counterexample's exact tensors, reference and bound, as a standalone script), ``
 scaled_mm and linear checks are the checking core's, ``fp8ref.check``, which the selector's probe
 runs too; the calling contract and the accumulator probe live here), ``coverage`` and
 ``report`` (what a report holds and how it prints), ``adaptation`` (how a peer's conventions and
-reproduce command reach the driver), ``reproduce`` (how a report names a backend and the call that
+reproduce command reach the driver), ``loading`` (the loader contracts and ``check_loader``: how
+a serving stack loads a fused, sharded weight), ``reproduce`` (how a report names a backend and the call that
 reproduces a failure), ``driver`` (``check``, ``check_contract``), ``peers`` (the peers'
 tolerances, for docs/mutants.md). Imports flow one way, down that list: each module imports only
 the ones before it, the checking core, the spec and the registry (``fp8ref.kernels`` only lazily,
@@ -39,6 +40,7 @@ from .driver import (
     load_report,
     merge_reports,
 )
+from .loading import LOAD_CONTRACT_NAMES, LOAD_CONTRACTS, check_loader
 from .probe import PROBE_MAX_BITS, accumulator_bits
 from .profiles import ENV_VAR, PROFILES, Profile, get_profile
 from .replay import Replay, replay
@@ -49,6 +51,8 @@ __all__ = [
     "CONTRACTS",
     "CONTRACT_NAMES",
     "Contract",
+    "LOAD_CONTRACTS",
+    "LOAD_CONTRACT_NAMES",
     "ContractResult",
     "ContractViolation",
     "Declined",
@@ -63,6 +67,7 @@ __all__ = [
     "apply_known_failures",
     "check",
     "check_contract",
+    "check_loader",
     "corner_sweep",
     "get_contract",
     "get_profile",

@@ -6,7 +6,9 @@ A peer is a ``Backend`` that is *not* registered: ``fp8ref.linear`` never select
 peer's ``Adaptation`` (``certify.adaptation``: its conventions mapped into every problem, its
 reproduce command). Importing this package
 imports none of the third-party packages; a peer imports its package on first use, and
-``available()`` names exactly what is missing.
+``available()`` names exactly what is missing. The subpackage ``loaders`` holds weight *loaders*
+(fp8ref's own, vLLM's FP8 checkpoint loading) certified by ``fp8ref.conformance.check_loader``
+(docs/certified-loaders.md).
 
 Examples
 --------

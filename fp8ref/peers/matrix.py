@@ -103,6 +103,12 @@ def _coverage(cert: Certificate) -> str:
     return f"{len(run)}/{len(res)} contracts, {sum(r.examples for r in res)} examples" if res else ""
 
 
+#: Where the loader rows are (a page of their own: ``python -m fp8ref.peers.loaders``).
+LOADERS_NOTE = ("How weights are *loaded* -- fused partitions, tensor-parallel shards, reloads, source dtypes "
+                "(docs/spec.md §8) -- is certified separately by `fp8ref.conformance.check_loader`: "
+                "docs/certified-loaders.md (fp8ref's own loading paths and vLLM's FP8 checkpoint loading).")
+
+
 def render(certs: Sequence[Certificate], header: dict) -> str:
     """The whole ``docs/certified.md``."""
     out = [
@@ -126,6 +132,8 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
         "Columns: *bit-exact* compares codes and scales (quantizers) or outputs (GEMMs) with the reference's "
         "bits on a fixed corpus of the schemes the peer takes; *accumulator* is the probe's reading in bits "
         "(`fp8ref.conformance.accumulator_bits`); *non-finite* is what a NaN/Inf input does (the spec raises).",
+        "",
+        LOADERS_NOTE,
         "",
         "| implementation | version | entry | ops | verdict | failing contracts | expresses | bit-exact | "
         "declares | accumulator bits | batch-invariant | non-finite input | coverage |",

@@ -6,7 +6,8 @@ A leaf: it imports nothing else from fp8ref. Its modules follow the dependency o
 formats) -> ``schemes`` (how a tensor is quantized, recipes) -> ``dense`` (the layout check) ->
 ``quant`` (the reference quantizer) -> ``gemm`` (the exact scaled GEMM) -> ``checks`` (the
 argument checks of the calling contract, the one home every entry point imports) -> ``bounds``
-(error bounds derived from unit roundoffs, precision classes, the scale tolerance); ``compare`` (a
+(error bounds derived from unit roundoffs, precision classes, the scale tolerance) -> ``loading``
+(what a loaded fused, tensor-parallel weight must dequantize to); ``compare`` (a
 leaf on torch alone) is the one routine that judges a value against a reference and a bound,
 returning a typed ``Verdict``: every contract, the selector's probe and the audits call it.
 ``docs/spec.md`` is the same contract in prose and equations.
