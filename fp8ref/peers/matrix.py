@@ -107,6 +107,9 @@ def _coverage(cert: Certificate) -> str:
 LOADERS_NOTE = ("How weights are *loaded* -- fused partitions, tensor-parallel shards, reloads, source dtypes "
                 "(docs/spec.md §8) -- is certified separately by `fp8ref.conformance.check_loader`: "
                 "docs/certified-loaders.md (fp8ref's own loading paths and vLLM's FP8 checkpoint loading).")
+#: Where the mixture-of-experts rows are (a page of their own: ``python -m fp8ref.peers.moe_certify``).
+MOE_NOTE = ("FP8 mixture-of-experts layers (docs/spec.md §7) are certified by `fp8ref.conformance.moe.check_moe`: "
+            "docs/certified-moe.md (SGLang's and vLLM's Triton `fused_moe` FP8 paths).")
 
 
 def render(certs: Sequence[Certificate], header: dict) -> str:
@@ -134,6 +137,8 @@ def render(certs: Sequence[Certificate], header: dict) -> str:
         "(`fp8ref.conformance.accumulator_bits`); *non-finite* is what a NaN/Inf input does (the spec raises).",
         "",
         LOADERS_NOTE,
+        "",
+        MOE_NOTE,
         "",
         "| implementation | version | entry | ops | verdict | failing contracts | expresses | bit-exact | "
         "declares | accumulator bits | batch-invariant | non-finite input | coverage |",
