@@ -41,6 +41,7 @@ from .nn import Fp8Linear, QuantizeSummary, quantize_model
 from .registry import (
     PROPAGATE,
     RAISE,
+    SPEC_NON_FINITE,
     Backend,
     BackendInfo,
     Case,
@@ -131,6 +132,7 @@ __all__ = [
     "NonFinite",
     "RAISE",
     "PROPAGATE",
+    "SPEC_NON_FINITE",
     "BackendInfo",
     "Case",
     "backends",

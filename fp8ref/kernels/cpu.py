@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..registry import Backend, Case, register_backend
+from ..registry import SPEC_NON_FINITE, Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.gemm import k_segments
 from ..spec.quant import Quantized, check_float_input
@@ -252,6 +252,7 @@ class CpuWideBackend(Backend):
         self.accumulation = Accumulation.FP32
         self.output_roundings = 2 if wide == torch.bfloat16 else 1
         self.rejects_non_finite = True  # x: the quantizers' amax checks; bias: check_mm_args
+        self.non_finite = SPEC_NON_FINITE
         self._compile = compile
         #: fp32 GEMMs through oneDNN's bf16 dot products (see the module docstring); cpu-fp32 only
         self.bf16_dot_products = os.environ.get("FP8REF_CPU_BF16_DOT", "0") == "1"

@@ -2,7 +2,9 @@
 (``bugs.py``; scale soundness in ``scales.py``), and correct-but-different ones (``variants.py``,
 ``scales.FusedLinear``). The conformance suite must reject every mutant and accept every correct
 variant (``test_mutants.py``, on 3 seeds of the ci profile); the calling contract's catalogue
-(``calling.py``) is held to its own contracts; ``make_report.py`` writes docs/mutants.md.
+(``calling.py``) is held to its own contracts; ``third_party.py`` holds correct kernels that
+declare nothing beyond accumulation and output roundings (``test_third_party.py``);
+``make_report.py`` writes docs/mutants.md.
 
 Every backend starts from ``Fp32Base`` (``base.py``): the reference quantizer and an fp32 scaled
 GEMM, conforming to the ``fp32`` declaration; each one changes one thing.
@@ -15,11 +17,13 @@ from .calling import *  # noqa: F403 -- the calling contract's mutants and corre
 from .calling import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS
 from .scales import *  # noqa: F403 -- the scale-soundness mutants and their correct twin, by name
 from .scales import SCALE_CORRECT, SCALE_MUTANTS
+from .third_party import THIRD_PARTY
 from .variants import *  # noqa: F403 -- the correct variants, by name
 from .variants import CORRECT as _VARIANTS
 
 MUTANTS = _BUGS + SCALE_MUTANTS
 CORRECT = _VARIANTS + SCALE_CORRECT
 
-__all__ = ["CLASSES", "CORRECT", "MUTANTS", "CALLING_CLASSES", "CALLING_CORRECT", "CALLING_MUTANTS", "Fp32Base",
+__all__ = ["CLASSES", "CORRECT", "MUTANTS", "CALLING_CLASSES", "CALLING_CORRECT", "CALLING_MUTANTS", "THIRD_PARTY",
+           "Fp32Base",
            "fp32_mm", "sequential_sum", "truncating_sum"]
