@@ -93,10 +93,14 @@ def _pairwise(p: torch.Tensor) -> torch.Tensor:
 
 class PairwiseSum(_ThirdParty):
     name = "tp-pairwise-fp32"
-    bug = "fp32 products of dequantized values summed pairwise (a reduction tree)"
+    bug = "fp32 products of dequantized values summed pairwise (a reduction tree), a few output rows at a time"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
-        return _epilogue(_pairwise(_deq(a)[:, None, :] * _deq(b)[None, :, :]), bias, out_dtype)
+        A, B = _deq(a), _deq(b)
+        rows = max(1, (1 << 22) // max(1, B.shape[0] * A.shape[1]))  # products held at once: 4M
+        out = [_pairwise(A[m:m + rows, None, :] * B[None, :, :]) for m in range(0, A.shape[0], rows)]
+        acc = torch.cat(out) if out else torch.zeros(0, B.shape[0])
+        return _epilogue(acc, bias, out_dtype)
 
 
 class KahanSum(_ThirdParty):
@@ -104,11 +108,11 @@ class KahanSum(_ThirdParty):
     bug = "fp32 products of dequantized values summed in K order with Kahan compensation"
 
     def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
-        p = _deq(a)[:, None, :] * _deq(b)[None, :, :]
-        s = torch.zeros(p.shape[:2])
-        c = torch.zeros(p.shape[:2])
-        for k in range(p.shape[-1]):
-            y = p[..., k] - c
+        A, B = _deq(a), _deq(b)
+        s = torch.zeros(A.shape[0], B.shape[0])
+        c = torch.zeros_like(s)
+        for k in range(A.shape[1]):
+            y = A[:, k, None] * B[None, :, k] - c
             t = s + y
             c = (t - s) - y
             s = t
