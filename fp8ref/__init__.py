@@ -43,6 +43,7 @@ from .nn import Fp8Linear
 from .registry import (
     PROPAGATE,
     RAISE,
+    SPEC_NON_FINITE,
     Backend,
     BackendInfo,
     Case,
@@ -145,6 +146,7 @@ __all__ = [
     "ScaleLayout",
     "RAISE",
     "PROPAGATE",
+    "SPEC_NON_FINITE",
     "BackendInfo",
     "Case",
     "backends",

@@ -31,7 +31,7 @@ import os
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any
 
@@ -45,7 +45,8 @@ from .spec.moe_bounds import MoeAccuracy
 from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
 
-__all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "ScaleLayout", "RAISE", "PROPAGATE", "register_backend",
+__all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "ScaleLayout", "RAISE", "PROPAGATE", "SPEC_NON_FINITE",
+           "non_finite_policy", "register_backend",
            "unregister_backend", "get_backend", "backends", "ENTRY_POINT_GROUP", "ENV_ALLOW", "OPS", "decline_reason",
            "backend_quantize", "is_trusted", "origin", "MoeBackend", "register_moe_backend", "get_moe_backend",
            "moe_backends"]
@@ -71,45 +72,62 @@ PROPAGATE = "propagate"
 
 @dataclass(frozen=True)
 class NonFinite:
-    """What a backend does with NaN or +-Inf in each kind of input: ``RAISE`` (``ValueError``
-    before any output exists) or ``PROPAGATE`` (every output value computed from the non-finite
-    input is NaN or +-Inf). Never a finite value standing in for a non-finite one: that answer is
-    not on offer (docs/spec.md, "The calling contract", special values).
+    """What a backend promises to do with NaN or +-Inf in each kind of input: ``RAISE``
+    (``ValueError`` before any output exists), ``PROPAGATE`` (every output value computed from the
+    non-finite input is NaN or +-Inf) or None, the default: not declared, and then either of the two
+    is accepted. A finite value standing in for a non-finite one is never on offer: that is the
+    defect (docs/spec.md, "The calling contract", special values; docs/conformance.md, "Defects,
+    and what a declaration changes"). A declaration narrows what the contracts ``*.non_finite``
+    accept to the one answer; it never accepts a defect.
 
-    The defaults are the spec's own answers (``fp8ref.quantize`` and ``fp8ref.scaled_mm``): the
-    contracts ``*.non_finite`` check the declaration.
+    ``SPEC_NON_FINITE`` holds the spec's own answers (``fp8ref.quantize`` and ``fp8ref.scaled_mm``),
+    which the shipped backends declare.
 
     Attributes
     ----------
-    x : str
+    x : str or None
         Activations given to ``quantize`` and ``linear``. Propagating means: the dequantized value
         of a non-finite element (code times scale) is non-finite, and so is every output row of
         ``linear`` whose activation row holds one.
-    static_scale : str
+    static_scale : str or None
         The caller's scale of a static scheme (``quantize``/``linear`` ``scale=``); also zero or
         negative there (the spec refuses those too). Propagating: the dequantized values of its
         block are non-finite.
-    codes : str
+    codes : str or None
         NaN (and E5M2's Inf) codes in a ``Quantized`` operand of ``scaled_mm``.
-    scales : str
+    scales : str or None
         NaN/Inf in a ``Quantized.scale`` given to ``scaled_mm``.
-    bias : str
+    bias : str or None
         NaN/Inf in the bias of ``scaled_mm`` and ``linear``.
 
     Propagating in ``scaled_mm``: y[m, n] is NaN or +-Inf wherever row m of ``a`` (codes or
     scales), row n of ``b`` or ``bias[n]`` holds a non-finite value.
     """
 
-    x: str = RAISE
-    static_scale: str = RAISE
-    codes: str = PROPAGATE
-    scales: str = PROPAGATE
-    bias: str = RAISE
+    x: str | None = None
+    static_scale: str | None = None
+    codes: str | None = None
+    scales: str | None = None
+    bias: str | None = None
 
     def __post_init__(self) -> None:
         for k, v in vars(self).items():
-            if v not in (RAISE, PROPAGATE):
-                raise ValueError(f"NonFinite.{k} must be {RAISE!r} or {PROPAGATE!r}, got {v!r}")
+            if v not in (RAISE, PROPAGATE, None):
+                raise ValueError(f"NonFinite.{k} must be {RAISE!r}, {PROPAGATE!r} or None (not declared), got {v!r}")
+
+
+#: The spec's own answers: NaN/Inf in x, a static scale or the bias raise ValueError; in the codes
+#: and scales of a ``Quantized`` operand they propagate.
+SPEC_NON_FINITE = NonFinite(x=RAISE, static_scale=RAISE, codes=PROPAGATE, scales=PROPAGATE, bias=RAISE)
+
+
+def non_finite_policy(backend: Backend) -> NonFinite:
+    """What ``backend`` has promised for non-finite inputs: its ``non_finite`` declaration, with x
+    and bias ``RAISE`` where it declares ``rejects_non_finite`` and leaves them undeclared."""
+    nf = backend.non_finite
+    if backend.rejects_non_finite:
+        nf = replace(nf, x=nf.x or RAISE, bias=nf.bias or RAISE)
+    return nf
 
 
 @dataclass(frozen=True)
@@ -167,11 +185,13 @@ class Backend:
         ``scaled_mm`` and ``linear`` for NaN/Inf in ``bias``, as the spec does. ``fp8ref.linear``
         then leaves those scans to the backend after a case's first call (they cost a pass over
         ``x`` per call); otherwise it scans before every call. The selector's probe checks the
-        claim. Default False.
+        claim, and the contracts ``*.non_finite`` hold x and bias to it (``non_finite_policy``).
+        Default False.
     non_finite : NonFinite
-        What each entry point does with NaN/Inf in each kind of input (raise or propagate, per
-        kind); the defaults are the spec's answers. The conformance contracts ``*.non_finite``
-        check it, on every entry point the backend claims.
+        What each entry point promises for NaN/Inf in each kind of input (raise or propagate, per
+        kind). The default declares nothing: raising ``ValueError`` and propagating are both
+        accepted, a finite stand-in never is. The conformance contracts ``*.non_finite`` check it,
+        on every entry point the backend claims.
     precision : PrecisionClass
         Derived, not declared: the smallest precision class that holds ``accumulation`` and
         ``output_roundings`` (``fp8ref.spec.bounds.precision_class``).
@@ -434,7 +454,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     nf = backend.non_finite
     if not isinstance(nf, NonFinite):
         raise TypeError(f"backend {backend.name!r}: non_finite must be an fp8ref.NonFinite, got {type(nf).__name__}")
-    if backend.rejects_non_finite and (nf.x != RAISE or nf.bias != RAISE):
+    if backend.rejects_non_finite and PROPAGATE in (nf.x, nf.bias):
         raise ValueError(f"backend {backend.name!r}: rejects_non_finite says NaN/Inf in x and bias raise, but "
                          f"non_finite declares x={nf.x!r}, bias={nf.bias!r}")
     if backend.float_weight:

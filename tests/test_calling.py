@@ -12,7 +12,7 @@ import fp8ref
 from fp8ref.conformance import check, get_profile
 from fp8ref.conformance import strategies as fst
 from fp8ref.conformance.contracts import CALLING_CONTRACT_NAMES, CALLING_DIMENSIONS, calling
-from fp8ref.registry import PROPAGATE, RAISE, NonFinite, get_backend
+from fp8ref.registry import PROPAGATE, RAISE, SPEC_NON_FINITE, NonFinite, get_backend, non_finite_policy
 
 
 @pytest.mark.parametrize("kind", calling.VIEW_KINDS)
@@ -51,12 +51,24 @@ def test_updates_change_values_in_place(how):
 
 
 def test_non_finite_declaration():
-    assert NonFinite() == NonFinite(x=RAISE, static_scale=RAISE, codes=PROPAGATE, scales=PROPAGATE, bias=RAISE)
+    """Undeclared is the default (either conforming answer); the shipped backends declare the
+    spec's answers (cpu-fp8: NaN codes raise); ``rejects_non_finite`` promises x and bias raise."""
+    assert NonFinite() == NonFinite(x=None, static_scale=None, codes=None, scales=None, bias=None)
+    assert SPEC_NON_FINITE == NonFinite(x=RAISE, static_scale=RAISE, codes=PROPAGATE, scales=PROPAGATE, bias=RAISE)
     with pytest.raises(ValueError, match="NonFinite.codes"):
         NonFinite(codes="clamp")
     for info in fp8ref.backends():
-        assert isinstance(get_backend(info.name).non_finite, NonFinite), info.name
+        nf = get_backend(info.name).non_finite
+        assert isinstance(nf, NonFinite), info.name
+        if fp8ref.registry.origin(info.name) == "fp8ref":
+            assert None not in vars(nf).values(), info.name
+    assert get_backend("reference").non_finite == SPEC_NON_FINITE
     assert get_backend("cpu-fp8").non_finite.codes == RAISE
+
+    class Rejects(fp8ref.Backend):
+        name, rejects_non_finite = "h7-rejects", True
+
+    assert non_finite_policy(Rejects()) == NonFinite(x=RAISE, bias=RAISE)
 
 
 def test_contract_names_per_dimension_and_op():

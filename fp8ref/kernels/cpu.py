@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _env
-from ..registry import Backend, Case, register_backend
+from ..registry import SPEC_NON_FINITE, Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.gemm import k_segments
 from ..spec.quant import Quantized, check_float_input
@@ -257,6 +257,7 @@ class CpuWideBackend(Backend):
         self.accumulation = Accumulation.FP32
         self.output_roundings = 2 if wide == torch.bfloat16 else 1
         self.rejects_non_finite = True  # x: the quantizers' amax checks; bias: check_mm_args
+        self.non_finite = SPEC_NON_FINITE
         self._compile = compile
         #: fp32 GEMMs through oneDNN's bf16 dot products (see the module docstring); cpu-fp32 only
         self.bf16_dot_products = _env.get("FP8REF_CPU_BF16_DOT")

@@ -37,11 +37,12 @@ which it is compute-bound and oneDNN's GEMMs (``cpu-bf16``, ``cpu-fp32``) are fa
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
 from .._machine import cpu_flags, cpu_model
-from ..registry import RAISE, Backend, Case, NonFinite, register_backend
+from ..registry import RAISE, SPEC_NON_FINITE, Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.checks import BIAS_NON_FINITE as _BIAS_NON_FINITE
 from ..spec.checks import check_finite
@@ -163,7 +164,8 @@ class CpuFp8Backend(Backend):
     accumulation = Accumulation.FP32
     output_roundings = 1
     rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
-    non_finite = NonFinite(codes=RAISE)  # the kernel decodes NaN codes as 480: scaled_mm scans and refuses them
+    #: the kernel decodes NaN codes as 480: scaled_mm scans and refuses them
+    non_finite = replace(SPEC_NON_FINITE, codes=RAISE)
     #: use vdpbf16ps where the CPU has avx512_bf16 (else the fp16-decode + fp32 FMA paths)
     bf16_dot = True
     #: force one unpacked path (``"avx512"``, ``"avx2"``, ``"scalar"``; tests); None: the best one

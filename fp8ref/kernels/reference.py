@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Backend, register_backend
+from ..registry import SPEC_NON_FINITE, Backend, register_backend
 from ..spec import gemm, quant
 from ..spec.bounds import Accumulation
 from ._common import ieee_methods
@@ -16,6 +16,7 @@ class ReferenceBackend(Backend):
     accumulation = Accumulation.EXACT
     output_roundings = 1
     rejects_non_finite = True  # the spec's checks: x via the quantizer, bias via check_mm_args
+    non_finite = SPEC_NON_FINITE
 
     def quantize(self, x, scheme, scale=None):
         return quant.quantize(x, scheme, scale)

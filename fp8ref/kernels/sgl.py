@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..registry import Backend, Case, register_backend
+from ..registry import SPEC_NON_FINITE, Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
@@ -203,6 +203,7 @@ def _blockwise_reason(sa: QuantScheme, sb: QuantScheme, M: int, N: int, K: int) 
 @ieee_methods
 class _SglBase(Backend):
     output_roundings = 2
+    non_finite = SPEC_NON_FINITE
 
     def available(self) -> str | None:
         return _availability()

@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from ..registry import Backend, Case, register_backend
+from ..registry import SPEC_NON_FINITE, Backend, Case, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
@@ -98,6 +98,7 @@ class TorchScaledMMBackend(Backend):
         self.accumulation = Accumulation.FAST if fast_accum else Accumulation.FP32
         self.output_roundings = 1
         self.rejects_non_finite = True  # x: fast_quantize's amax check; bias: check_mm_args
+        self.non_finite = SPEC_NON_FINITE
         #: pad K and N to 16 on CPU too (CUDA always pads): lets CPU tests run the padding path
         self.force_pad = False
 

@@ -32,10 +32,11 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
-from ..registry import RAISE, Backend, Case, NonFinite, register_backend
+from ..registry import RAISE, SPEC_NON_FINITE, Backend, Case, NonFinite, register_backend
 from ..spec.bounds import Accumulation
 from ..spec.formats import E4M3FN
 from ..spec.gemm import OUT_DTYPES
@@ -347,7 +348,7 @@ class TritonBackend(Backend):
     def non_finite(self) -> NonFinite:
         """The spec's answers, except NaN codes under the interpreter: it decodes E4M3FN's 0x7F and
         0xFF as numbers, so ``scaled_mm`` scans the codes there and raises."""
-        return NonFinite(codes=RAISE) if interpreting() else NonFinite()
+        return replace(SPEC_NON_FINITE, codes=RAISE) if interpreting() else SPEC_NON_FINITE
 
     def scaled_mm(self, a: Quantized, b: Quantized, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -86,8 +86,10 @@ def run_contracts(peer: Peer, profile="ci", seed: int | None = None, contracts: 
     ledger applied: the driver's ``check`` with the peer's ``adaptation``.
 
     The calling contract (docs/spec.md §3.4) is not applied to peers by default: a peer's adapter
-    copies and re-lays out the operands (so layout, aliasing and lifetime would judge the adapter),
-    and its special values need the library's declared ``NonFinite``, which no adapter states yet."""
+    copies and re-lays out the operands (so layout, aliasing and lifetime would judge the adapter).
+    Its special values no longer need a declared ``NonFinite`` (undeclared, a ValueError and
+    propagation both pass: docs/conformance.md, "Defects, and what a declaration changes"), but no
+    peer's recorded verdict has run them yet."""
     if contracts is None:
         contracts = tuple(c.name for c in CONTRACTS if c.name not in CALLING_CONTRACT_NAMES)
     return check(peer, profile, seed, contracts=contracts, known_failures=known_failures, schemes=peer.recipes,

@@ -30,6 +30,7 @@ from .quant import Quantized, expand_scale
 from .schemes import QuantScheme
 
 __all__ = [
+    "gemm_underflow_possible",
     "U_FP64",
     "U_FP32",
     "gamma",
@@ -558,6 +559,25 @@ def _underflow_possible(min_a: float, min_b: float, min_sa: float, min_sb: float
     """Whether some product of a subset of {|a_k|, |b_k|, sa, sb} (non-zero codes) can fall below
     fp32's smallest normal: the smallest such product is that of every factor below 1 at its least."""
     return min(min_a, 1.0) * min(min_b, 1.0) * min(min_sa, 1.0) * min(min_sb, 1.0) < _TINY32
+
+
+def gemm_underflow_possible(a: Quantized, b: Quantized, accumulation: Accumulation) -> bool:
+    """Whether ``gemm_error_bound`` holds an underflow term for these operands under ``accumulation``:
+    some fp32 product of their non-zero codes and scales can fall below fp32's smallest normal
+    (never for exact accumulation, whose float64 products cannot underflow).
+
+    Notes
+    -----
+    Where this is False, every rounding of an fp32 (or narrower-significand) pipeline is relative,
+    so multiplying a scale by 2**k multiplies every intermediate value, and the result, by exactly
+    2**k (away from the output dtype's subnormals and overflow): the exact equivariance of
+    ``scaled_mm.scale_equivariance``. Where it is True, the absolute error eta_32/2 of a subnormal
+    product is not scaled, and the relation holds only within the two results' bounds.
+    """
+    if accumulation.unit_roundoff == 0:
+        return False
+    return _underflow_possible(_min_nonzero(a.data.float()), _min_nonzero(b.data.float()),
+                               _min_nonzero(a.scale), _min_nonzero(b.scale))
 
 
 def _min_nonzero(t: torch.Tensor) -> float:

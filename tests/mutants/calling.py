@@ -381,6 +381,18 @@ class EmptyKCrash(Fp32Base):
         return fp32_mm(a, b, bias, out_dtype)
 
 
+class EmptyKDropsBias(Fp32Base):
+    name = "mutant-empty-k-drops-bias"
+    upstream = "fp8ref issue 39"
+    klass = "degenerate shapes"
+    bug = "K = 0 returns early with a zero output, before the epilogue that adds the bias: y = 0, not the bias"
+
+    def scaled_mm(self, a, b, bias=None, out_dtype=torch.bfloat16):
+        if a.data.shape[1] == 0:
+            return torch.zeros(a.data.shape[0], b.data.shape[0], dtype=out_dtype)
+        return fp32_mm(a, b, bias, out_dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # size limits
 
@@ -436,8 +448,8 @@ CALLING_CLASSES = {"layout": "layout", "inputs and outputs": "untouched", "lifet
 
 CALLING_MUTANTS = (PointerOnlyOperands, PointerOnlyActivations, ScaleInPlace, ScaleAliasesCaller, ReusedOutput,
                    PreparedCacheById, PreparedCacheByVersion, QuantizeMemo, SharedScratch, NanCodesZeroed,
-                   InfSaturates, NanScaleAsOne, SaturatingEpilogue, OneRowGrid, EmptyKCrash, GridRowsCapped,
-                   KOffset16Bit)
+                   InfSaturates, NanScaleAsOne, SaturatingEpilogue, OneRowGrid, EmptyKCrash, EmptyKDropsBias,
+                   GridRowsCapped, KOffset16Bit)
 CALLING_CORRECT = (ContiguousFirst, RefusesViews, PreparedCopy, ThreadLocalScratch, IeeePropagate)
 
 __all__ = [c.__name__ for c in CALLING_MUTANTS + CALLING_CORRECT] + [

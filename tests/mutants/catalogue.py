@@ -2,7 +2,9 @@
 (``bugs.py``; scale soundness in ``scales.py``), and correct-but-different ones (``variants.py``,
 ``scales.FusedLinear``). The conformance suite must reject every mutant and accept every correct
 variant (``test_mutants.py``, on 3 seeds of the ci profile); the calling contract's catalogue
-(``calling.py``) is held to its own contracts; ``make_report.py`` writes docs/mutants.md.
+(``calling.py``) is held to its own contracts; ``third_party.py`` holds correct kernels that
+declare nothing beyond accumulation and output roundings (``test_third_party.py``);
+``make_report.py`` writes docs/mutants.md.
 
 Every backend starts from ``Fp32Base`` (``base.py``): the reference quantizer and an fp32 scaled
 GEMM, conforming to the ``fp32`` declaration; each one changes one thing.
@@ -17,6 +19,7 @@ from .layouts import *  # noqa: F403 -- backends holding scales in a declared st
 from .layouts import LAYOUT_CORRECT, LAYOUT_MUTANTS
 from .scales import *  # noqa: F403 -- the scale-soundness mutants and their correct twin, by name
 from .scales import SCALE_CORRECT, SCALE_MUTANTS
+from .third_party import THIRD_PARTY
 from .variants import *  # noqa: F403 -- the correct variants, by name
 from .variants import CORRECT as _VARIANTS
 
@@ -31,5 +34,5 @@ def claim_of(cls) -> tuple | None:
 
 
 __all__ = ["CLASSES", "CORRECT", "MUTANTS", "claim_of",
-           "CALLING_CLASSES", "CALLING_CORRECT", "CALLING_MUTANTS", "Fp32Base",
+           "CALLING_CLASSES", "CALLING_CORRECT", "CALLING_MUTANTS", "THIRD_PARTY", "Fp32Base",
            "fp32_mm", "sequential_sum", "truncating_sum"]

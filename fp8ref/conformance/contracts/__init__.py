@@ -197,11 +197,12 @@ _CALLING = (
      check_lifetime),
     ("threads", f"{4} threads calling at once, each on its own values, get the bits of the same call made alone",
      "bit-exact", check_threads),
-    ("non_finite", "NaN/Inf in each input: what Backend.non_finite declares (ValueError, or non-finite outputs "
-     "wherever they depend on it); results past the output dtype's range are +-Inf; never a finite stand-in",
-     "declared", check_non_finite),
+    ("non_finite", "NaN/Inf in each input: a ValueError or non-finite outputs wherever they depend on it "
+     "(undeclared: either; Backend.non_finite narrows it to one); results past the output dtype's range are "
+     "+-Inf; never a finite stand-in", "defect; narrowed by the declaration", check_non_finite),
     ("degenerate", "M, N, K = 1: within the bound; M or N = 0: an empty result; K = 0: a ValueError or "
-     "TypeError, as the spec raises (not a crash, not a result)", "bound / shape", check_degenerate),
+     "TypeError, or the empty sum (the bias rounded to the output dtype, else zeros); never another value or "
+     "a crash", "bound / shape", check_degenerate),
 )
 _OP_STRATEGY = {"quantize": _qp(), "scaled_mm": _gp(), "linear": _lp}
 _CALLING_CONTRACTS = tuple(
@@ -266,8 +267,9 @@ CONTRACTS: tuple[Contract, ...] = (
              "bit-exact", _gp(), check_scaled_mm_sign_symmetry, _G_EX, secondary=True),
     Contract("scaled_mm.scale_equivariance", _G, "exact",
              "a.scale*2**k and bias*2**k give y*2**k (away from subnormals and overflow)",
-             "bit-exact", _gp(with_k=True), check_scaled_mm_scale_equivariance, _with_k(_G_EX, 2), with_k,
-             secondary=True),
+             "bit-exact; where an fp32 product can underflow (the underflow term of docs/spec.md 5.2), "
+             "B2 + |r2 - 2**k r1| + 2**k B1", _gp(with_k=True), check_scaled_mm_scale_equivariance,
+             _with_k(_G_EX, 2), with_k, secondary=True),
     Contract("scaled_mm.batch_invariant", _G, "info",
              "row i computed alone equals row i of the batch (reported yes/no, never a failure)",
              "bit-exact", _gp(), check_scaled_mm_batch_invariant, _G_EX, _few_rows, secondary=True),

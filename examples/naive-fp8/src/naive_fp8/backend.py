@@ -47,7 +47,8 @@ class NaiveFp8Backend(Backend):
     # The fp32 result is rounded to out_dtype once, after the scales and the bias.
     output_roundings = 1
     # NaN/Inf: quantize raises for x (as the spec); scaled_mm adds the bias as it is, so a NaN or Inf
-    # there reaches its output column -- declared, so the *.non_finite contracts hold it to that.
+    # there reaches its output column. Optional (undeclared, raising and propagating both pass):
+    # declared, it is a promise the *.non_finite contracts hold the backend to.
     non_finite = NonFinite(bias=PROPAGATE)
 
     def available(self) -> str | None:

@@ -61,10 +61,27 @@ def _empty_args(op: _Op, args, axis: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_empty_sum(name: str, y: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A result at K = 0 is the empty sum: y[m, n] = bias[n] rounded to y's dtype, or 0 without a bias
+    (values: a zero's sign is the summation order's). Its shape and dtype ``_run`` has checked."""
+    want = torch.zeros(y.shape, dtype=torch.float64)
+    if bias is not None:
+        want = want + bias.to(y.dtype).to(torch.float64)
+    got = y.to(torch.float64)
+    bad = ~((got == want) | (torch.isnan(got) & torch.isnan(want)))
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ContractViolation(f"{name} with K = 0 returned {got[at].item()!r} at {at}: the empty sum is "
+                                f"{want[at].item()!r} ({'the bias' if bias is not None else 'zero'}); raising "
+                                f"ValueError or TypeError is the other accepted answer")
+
+
 def check_degenerate(backend: Backend, p) -> float:
     """M, N, K = 1 (and all three): within the op's bound; M or N = 0: an empty result of the
-    right shape and dtype; K = 0: a ValueError or TypeError, as the spec raises (not a crash,
-    not a result). A case the backend declines in ``supports`` is skipped."""
+    right shape and dtype; K = 0: a ValueError or TypeError (the spec's answer: the reduction dim
+    must be at least 1), or the empty sum (scaled_mm, linear: the bias rounded to the output
+    dtype, else zeros; quantize: codes of shape [rows, 0]), never another value nor another
+    exception. A case the backend declines in ``supports`` is skipped."""
     op = _op_of(p)
     worst, ran = 0.0, 0
     ones = ([dict(rows=1), dict(cols=1), dict(rows=1, cols=1)] if op.name == "quantize"
@@ -92,16 +109,15 @@ def check_degenerate(backend: Backend, p) -> float:
         if decline_reason(backend, case) is not None:
             continue
         try:
-            _run(backend, op, e)
+            outs = _run(backend, op, e)
         except (ValueError, TypeError):
             if axis == "K":
                 ran += 1
                 continue
             raise
         ran += 1
-        if axis == "K":
-            raise ContractViolation(f"{op.name} with K = 0 returned a result: the spec raises ValueError (the "
-                                    f"reduction dim must be at least 1)")
+        if axis == "K" and op.name != "quantize":
+            _check_empty_sum(op.name, outs["y"], e.get("bias"))
     if ran == 0:
         raise Declined("supports declines every degenerate shape")
     return worst

@@ -1,6 +1,6 @@
 """Special values (``check_non_finite``): NaN and +-Inf in each kind of input against the backend's
-declared ``NonFinite``, and finite results past the output dtype's range (+-Inf, never a finite
-stand-in).
+declared ``NonFinite`` (undeclared: a ValueError or propagation), and finite results past the output
+dtype's range (+-Inf, never a finite stand-in).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ....registry import PROPAGATE, RAISE, Backend
+from ....registry import PROPAGATE, RAISE, Backend, non_finite_policy
 from ....spec import gemm, layouts, quant
 from ....spec.bounds import gemm_error_bound
 from ....spec.quant import Quantized
@@ -99,14 +99,16 @@ def _spoiled(t: torch.Tensor, idx, v: int | float) -> torch.Tensor:
 
 
 def check_non_finite(backend: Backend, p) -> float | None:
-    """NaN and +-Inf in each argument in turn (FP8 operands: the format's NaN/Inf codes); what the
-    backend declares (``Backend.non_finite``): a ValueError, or non-finite values wherever the
-    output depends on the spoiled element. scaled_mm and linear also get finite operands whose
-    exact result passes the output dtype's range: +-Inf there (round to nearest), never a finite
-    stand-in."""
+    """NaN and +-Inf in each argument in turn (FP8 operands: the format's NaN/Inf codes). Undeclared
+    (``NonFinite`` field None), a ValueError and propagation are both accepted; a declaration
+    (``non_finite_policy``: ``Backend.non_finite``, and ``rejects_non_finite`` for x and bias)
+    accepts its one answer. Propagating means non-finite values wherever the output depends on the
+    spoiled element; a finite value there is the defect, declared or not. scaled_mm and linear also
+    get finite operands whose exact result passes the output dtype's range: +-Inf there (round to
+    nearest), never a finite stand-in."""
     op = _op_of(p)
     args = _premise(backend, op)
-    declared = backend.non_finite
+    declared = non_finite_policy(backend)
     for arg, t in args.items():
         if t.numel() == 0 or (op.name == "linear" and arg.startswith("w.")):
             continue  # linear's weight reaches the backend through prepare_weight: scaled_mm's contract
@@ -116,16 +118,16 @@ def check_non_finite(backend: Backend, p) -> float | None:
                 continue  # E8M0 has a NaN byte and no infinity: a kernel reading such scales never meets one
             idx = _site(t)
             spoiled = {**_clones(args), arg: _spoiled(t, idx, v)}
-            what = f"{arg}[{', '.join(map(str, idx))}] = {label} (declared non_finite.{_kind(arg)} = {policy!r})"
+            what = (f"{arg}[{', '.join(map(str, idx))}] = {label} (non_finite.{_kind(arg)} "
+                    f"{'declared ' + repr(policy) if policy else 'not declared: ValueError or propagation'})")
             try:
                 outs = _run(backend, op, spoiled)
             except ValueError:
-                if policy == RAISE:
+                if policy != PROPAGATE:
                     continue
                 raise ContractViolation(f"{what}: raised ValueError") from None
             if policy == RAISE:
                 raise ContractViolation(f"{what}: returned instead of raising ValueError")
-            assert policy == PROPAGATE
             mask = _affected(op, spoiled, arg, idx)
             if op.name == "quantize":
                 o = quant.dequantize(Quantized(outs["data"], outs["scale"], p.scheme), torch.float64)
