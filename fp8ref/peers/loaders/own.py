@@ -19,10 +19,11 @@ from torch import nn
 
 from ...check.loading import WeightLoader
 from ...checkpoint import load_fp8_dynamic, save_fp8_dynamic
-from ...nn import Fp8Linear, quantize_model
+from ...nn import Fp8Linear
 from ...spec.loading import Loaded, source_slices
 from ...spec.quant import Quantized
 from ...spec.schemes import FP8_DYNAMIC, Granularity, get_recipe
+from ...surgery import quantize_model
 
 __all__ = ["QuantizeModelLoader", "Fp8DynamicCheckpointLoader"]
 
