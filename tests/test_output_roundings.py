@@ -54,7 +54,9 @@ def _operand(scheme, rows, cols, mul, mod, div):
 def _corpus():
     M, N, K = 3, 5, 160
     e5m2 = QuantScheme(format="e5m2")
-    for r in [*fp8ref.RECIPES.values(), fp8ref.Recipe("e5m2", e5m2, e5m2)]:
+    # The presets of 9e6192a, where the digests were taken (later presets would change the corpus).
+    presets = ("w8a8_fp8", "fp8", "fp8_block", "fp8_dynamic", "w8a8_fp8_rocm")
+    for r in [*(fp8ref.RECIPES[n] for n in presets), fp8ref.Recipe("e5m2", e5m2, e5m2)]:
         qa = _operand(r.activation, M, K, 37, 101, 7.3)
         qa.data[1] = 0  # a zero row
         yield qa, _operand(r.weight, N, K, 53, 89, 6.1), _ramp(1, N, 11, 13, 3.0)[0]
