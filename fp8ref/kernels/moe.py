@@ -14,6 +14,7 @@ import torch
 
 from ..registry import MoeBackend, register_moe_backend
 from ..spec.bounds import U_FP32, Accumulation
+from ..spec.gemm import k_segments
 from ..spec.moe import MoeScheme, MoeWeights, Routing, check_moe_args, gate_up, local_pairs, moe_reference
 from ..spec.moe_bounds import REFERENCE_ACCURACY, MoeAccuracy
 from ..spec.quant import Quantized, quantize
@@ -32,14 +33,6 @@ class ReferenceMoe(MoeBackend):
         return moe_reference(x, weights, routing, scheme, out_dtype)
 
 
-def _segment_edges(a: Quantized, b: Quantized) -> list[tuple[int, int]]:
-    K = a.data.shape[1]
-    _, ca = a.scheme.block_shape(*a.data.shape)
-    _, cb = b.scheme.block_shape(*b.data.shape)
-    edges = sorted(set(range(0, K, ca)) | set(range(0, K, cb)) | {K})
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
 def _scale_rows(q: Quantized, k: int) -> torch.Tensor:
     """The fp32 scale of every row of ``q`` at column ``k``."""
     rows, cols = q.data.shape
@@ -51,7 +44,7 @@ def grouped_scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
     """fp32 (a . b^T) (.) scales: per K-segment an fp32 GEMM of the codes, scaled, summed in fp32."""
     a32, b32 = a.data.to(torch.float32), b.data.to(torch.float32)
     y = None
-    for k0, k1 in _segment_edges(a, b):
+    for k0, k1 in k_segments(a, b):
         part = (a32[:, k0:k1] @ b32[:, k0:k1].T) * torch.outer(_scale_rows(a, k0), _scale_rows(b, k0))
         y = part if y is None else y + part
     return y
