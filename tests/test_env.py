@@ -14,10 +14,11 @@ import torch
 import fp8ref
 from fp8ref import _env
 from fp8ref import select as sel
-from fp8ref.cli.env import DOC
 from fp8ref.select import cache
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The repository's copy (fp8ref may be imported from an installed copy, as under tox).
+DOC = ROOT / "docs" / "environment.md"
 #: Values each kind refuses (kind -> values); every one must raise, naming the variable.
 BAD = {
     "flag": ["maybe", "2", "enabled", "0,1"],
