@@ -18,7 +18,7 @@ from fp8ref.conformance import check, get_profile
 from fp8ref.conformance.contracts import CALLING_CONTRACT_NAMES
 from fp8ref.registry import NonFinite
 
-from .catalogue import CALLING_CORRECT, CORRECT
+from .catalogue import CALLING_CORRECT, CORRECT, claim_of
 from .third_party import THIRD_PARTY, OwnQuantizer, PairwiseSum, PlainDequantMatmul
 
 PROFILE = get_profile("ci").with_(shrink=False)
@@ -53,7 +53,7 @@ def test_suite_accepts_third_party_kernel_every_seed(cls, seed):
 @pytest.mark.parametrize("seed", SEEDS[3:])
 @pytest.mark.parametrize("cls", CORRECT, ids=lambda c: c.name)
 def test_suite_accepts_correct_variant_more_seeds(cls, seed):
-    report = check(cls(), PROFILE, seed=seed, ops=cls.changes)
+    report = check(cls(), PROFILE, seed=seed, ops=cls.changes, schemes=claim_of(cls))
     assert report.passed, report.to_text()
 
 
