@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any
@@ -291,6 +292,20 @@ class Backend:
 
             scheme = W8A8_FP8.activation
         return self.scaled_mm(backend_quantize(self, x, scheme, scale), w, bias, out_dtype)
+
+    def bind_linear(self, w: Any, scheme: QuantScheme, out_dtype: torch.dtype) -> Callable | None:
+        """Optional warm-path hook: a callable ``fn(x, bias)`` for one prepared weight ``w``,
+        activation ``scheme`` and ``out_dtype``, or None (the default: calls take ``linear``).
+
+        A plan (``fp8ref.api.plans``) binds once, when it is built, and its warm calls run
+        ``fn(x, bias)`` instead of ``linear(x, w, bias, out_dtype, scheme)``: what a backend can
+        settle once per plan (its code path, the kernel's fixed arguments) then costs nothing per
+        call. ``fn`` returns exactly what ``linear`` returns, bit for bit, or None to hand that call
+        to ``linear`` (which raises or handles it); it never raises for a call ``linear`` accepts.
+        ``x`` is a tensor of the plan's dtype and device whose last dimension is ``w``'s K (its
+        rows are all the others: ``fn`` returns ``[..., N]``), ``bias`` the layer's bias or None.
+        """
+        return None
 
     def prepare_weight(self, w: Quantized) -> Any:
         """Optional load-time hook: turn a quantized weight into whatever ``scaled_mm`` is fastest

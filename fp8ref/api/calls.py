@@ -290,7 +290,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized, bias: torch.Tensor | No
 
 def _run(p: Plan, key: tuple, x: torch.Tensor, x2: torch.Tensor, bias, od: torch.dtype) -> torch.Tensor:
     try:
-        return p.backend.linear(x2, p.prepared, bias, od, p.scheme)
+        fast = p.fast  # the backend's bound call (bind_linear), made for the plan's out_dtype
+        y = fast(x2, bias) if fast is not None and od is p.out_dtype else None
+        return p.backend.linear(x2, p.prepared, bias, od, p.scheme) if y is None else y
     except Exception as exc:
         # A backend that rejects NaN/Inf itself (rejects_non_finite) raised: the caller's error,
         # worded as on a first call (x's own index, not its flattened view's), and never blamed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref as _weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import prod as _prod
 
 import torch
 
@@ -95,6 +96,9 @@ class Plan:
     decision_key: str | None  #: the selector's key under "auto" (a backend that raises is marked failed for it)
     generation: int  #: ``fp8ref.select.generation()`` when resolved
     bias: object = None  #: the bias object checked when built (``LayerPlans``; ``fp8ref.linear`` checks per call)
+    #: ``backend.bind_linear(prepared, scheme, out_dtype)``: the warm call, ``fast(x2, bias)``, or
+    #: None (``backend.linear``); a None result hands that call to ``backend.linear``
+    fast: object = None
 
     def current(self, version: tuple) -> bool:
         """Whether the plan still holds for a weight whose ``version`` (``weightcheck.version``) is
@@ -151,7 +155,21 @@ def make_plan(e: WeightEntry, req: Request, bias: object = None) -> Plan:
         STATS["prepare_weight"] += 1
         e.prepared[b.name] = prepared
     return Plan(e, b, prepared, recipe.activation, req.out_dtype, not b.rejects_non_finite,
-                None if decision is None else decision.key, gen, bias)
+                None if decision is None else decision.key, gen, bias, _bind(b, prepared, recipe.activation,
+                                                                          req.out_dtype))
+
+
+def _bind(b: _Backend, prepared: object, scheme: QuantScheme, out_dtype: torch.dtype):
+    """``b.bind_linear(...)``, or None where the backend has no such hook or binding fails (its
+    calls then take ``b.linear``, which reports whatever is wrong)."""
+    bind = getattr(b, "bind_linear", None)
+    if bind is None:
+        return None
+    try:
+        fast = bind(prepared, scheme, out_dtype)
+    except Exception:
+        return None
+    return fast if callable(fast) else None
 
 
 class LayerPlans:
@@ -181,15 +199,23 @@ class LayerPlans:
     def run(self, x, weight: torch.Tensor, weight_scale: torch.Tensor, bias) -> torch.Tensor | None:
         """``fp8ref.linear(x, Quantized(weight, weight_scale), bias, ...)`` by the plan of x's case,
         or None (see the class)."""
-        if type(x) is not torch.Tensor or not x.dim():
+        if type(x) is not torch.Tensor:
             return None
         shape = x.shape
-        x2 = x if len(shape) == 2 else x.reshape(-1, shape[-1])
-        key = (m_bucket(x2.shape[0]), x.dtype, x.device)
+        nd = len(shape)
+        if nd == 2:
+            M = shape[0]
+        elif nd == 3:
+            M = shape[0] * shape[1]
+        elif nd:
+            M = _prod(shape[:-1])
+        else:
+            return None
+        key = (m_bucket(M), x.dtype, x.device)
         p = self.plans.get(key)
         if (p is None or p.bias is not bias or shape[-1] != p.entry.K
                 or not p.current(pair_version(weight, weight_scale))):
-            p = self._build(x, x2, key, weight, weight_scale, bias)
+            p = self._build(x, x if nd == 2 else x.reshape(-1, shape[-1]), key, weight, weight_scale, bias)
             if p is None:
                 return None
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
@@ -197,16 +223,26 @@ class LayerPlans:
         try:
             if _flushing():  # subnormals kept whatever the thread flushes (inline, not @ieee: the warm path)
                 with _ieee_subnormals():
-                    if p.scan:
-                        check_values(x, bias)
-                    y = p.backend.linear(x2, p.prepared, bias, p.out_dtype, p.scheme)
-            else:
-                if p.scan:
-                    check_values(x, bias)
-                y = p.backend.linear(x2, p.prepared, bias, p.out_dtype, p.scheme)
+                    return self._call(p, x, shape, bias)
+            return self._call(p, x, shape, bias)
         except Exception:  # fp8ref.linear, next, raises the caller's error or falls back ("auto")
             return None
-        return y if len(shape) == 2 else y.reshape(*shape[:-1], p.entry.N)
+
+    @staticmethod
+    def _call(p: Plan, x: torch.Tensor, shape: torch.Size, bias) -> torch.Tensor:
+        """The plan's warm call: the scan where the backend does not reject NaN/Inf, then the bound
+        call (it takes x as it is), else the backend's ``linear`` on x's rows."""
+        if p.scan:
+            check_values(x, bias)
+        fast = p.fast
+        if fast is not None:
+            y = fast(x, bias)
+            if y is not None:
+                return y
+        if len(shape) == 2:
+            return p.backend.linear(x, p.prepared, bias, p.out_dtype, p.scheme)
+        y = p.backend.linear(x.reshape(-1, shape[-1]), p.prepared, bias, p.out_dtype, p.scheme)
+        return y.reshape(*shape[:-1], p.entry.N)
 
     def _build(self, x: torch.Tensor, x2: torch.Tensor, key: tuple, weight: torch.Tensor,
                weight_scale: torch.Tensor, bias) -> Plan | None:

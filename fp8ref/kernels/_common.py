@@ -20,9 +20,9 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 
-__all__ = ["ieee_methods", "PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "native_quant",
-           "native_rows", "native_format_args", "segment_scale", "standard_scale", "check_mm_args", "empty_result",
-           "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32"]
+__all__ = ["ieee_methods", "PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "fast_scheme",
+           "native_quant", "native_rows", "native_format_args", "segment_scale", "standard_scale", "check_mm_args",
+           "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32"]
 
 
 _IEEE_METHODS = ("quantize", "scaled_mm", "linear", "prepare_weight")
@@ -169,8 +169,8 @@ def native_quant(x: torch.Tensor, scheme: QuantScheme, mode: int, isa: int = -1)
     and ``amax`` of ``scheme.scale_shape``; None where the extension or the case does not apply.
     ``amax`` is +inf on a block holding NaN or Inf or whose scale overflows fp32 (the caller then
     asks the spec, which raises). ``isa`` forces a code path (0 scalar, 1 AVX2, 2 AVX-512; tests)."""
-    if (not _fast_ok(scheme) or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or x.dim() != 2 or x.numel() == 0):
+    if (not fast_scheme(scheme) or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() != 2 or x.numel() == 0):
         return None
     mod = native.get()
     if mod is None:
@@ -188,7 +188,8 @@ def native_rows(x: torch.Tensor, scheme: QuantScheme, mode: int):
     return native_quant(x, scheme, mode)
 
 
-def _fast_ok(scheme: QuantScheme) -> bool:
+def fast_scheme(scheme: QuantScheme) -> bool:
+    """Whether the extension's quantizer computes ``scheme`` (dynamic, fp32 scales, the standard rule)."""
     return scheme.dynamic and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule
 
 
@@ -245,7 +246,7 @@ def fast_quantize(x: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor | No
     >>> torch.equal(q.data.view(torch.uint8), fp8ref.quantize(x).data.view(torch.uint8))
     True
     """
-    if scale is not None or not _fast_ok(scheme):
+    if scale is not None or not fast_scheme(scheme):
         return quant.quantize(x, scheme, scale)
     if (not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.is_nested or x.device.type == "meta"
             or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):

@@ -57,7 +57,9 @@ from ._common import (
     check_mm_args,
     empty_result,
     fast_quantize,
+    fast_scheme,
     ieee_methods,
+    native_format_args,
     native_quant,
     unwrap,
 )
@@ -264,6 +266,40 @@ class CpuFp8Backend(Backend):
         y = self._gemm(native.require(), codes_a, extra["codes"], extra, sa, sb,
                        (b32 if b32 is not None else sa, b32 is not None), out_dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    def bind_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype):
+        """``linear``'s fast path for one prepared weight, as one call into the extension
+        (``fp8_linear`` in csrc/linear.cpp: the same quantizer, amax check, GEMM and rounding, in
+        the same order); None where that path does not apply (the weight not prepared here, another
+        scheme, the extension not loaded). The bound call hands a case back (None) where ``linear``
+        would leave its fast path, and when ``isa`` or ``bf16_dot`` changed since binding."""
+        b, extra = unwrap(w, self.name)
+        sb, codes = extra.get("sb"), extra.get("codes")
+        mod = native.loaded()
+        if (sb is None or codes is None or out_dtype not in _OUT or self._scheme_reason(scheme, "activation")
+                or not fast_scheme(scheme) or mod is None or not hasattr(mod, "fp8_linear")):
+            return None
+        isa0, dot0 = self.isa, self.bf16_dot
+        path = self._path()
+        if path == "packed":
+            if extra.get("packed") is None:
+                return None
+            (pb, special), isa = extra["packed"], -1
+        else:
+            pb, special, isa = codes, codes, _GEMM_ISA[path]
+        args = (scheme.granularity is Granularity.TENSOR, scheme.qmax, scheme.amax_floor, *native_format_args(scheme),
+                scheme.pow2_scale, codes, pb, special, sb)
+        tail = (isa, PACKED_ROWS, _OUT.index(out_dtype))
+        fn = mod.fp8_linear
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+            if self.isa is not isa0 or self.bf16_dot is not dot0:
+                return None
+            if bias is None:
+                return fn(x, *args, sb, False, *tail)
+            return fn(x, *args, bias, True, *tail)
+
+        return run
 
     def _packed(self) -> bool:
         """Whether the packed avx512_bf16 kernel runs (the CPU has the instructions; ``bf16_dot``)."""

@@ -53,7 +53,7 @@ __all__ = ["CSRC", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "ENV_BUILD", "ENV_
 #: The extension's source directory (package data).
 CSRC = Path(__file__).resolve().with_name("csrc")
 #: Translation units, one per job; bindings.cpp is the Python module.
-SOURCES = ("gemm.cpp", "gemm_packed.cpp", "gemm_amx.cpp", "quant.cpp", "epilogue.cpp", "bindings.cpp")
+SOURCES = ("gemm.cpp", "gemm_packed.cpp", "gemm_amx.cpp", "quant.cpp", "epilogue.cpp", "linear.cpp", "bindings.cpp")
 HEADERS = ("fp8ref_cpu.h", "decode.h", "amx_tiles.h")
 #: Compiler flags. -fopenmp makes ``at::parallel_for`` run on torch's intra-op threads (without it
 #: the loops run on one thread: ATen's OpenMP backend is header-only). -ffp-contract=off: GCC would

@@ -22,6 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_emu_tdpbf16ps", &fp8ref::amx_emu_tdpbf16ps);
   m.def("cpu_isa", &fp8ref::cpu_isa);
   m.def("quant_blocks", &fp8ref::quant_blocks);
+  m.def("fp8_linear", &fp8ref::fp8_linear, pybind11::arg("x"), pybind11::arg("per_tensor"), pybind11::arg("qmax"),
+        pybind11::arg("floor"), pybind11::arg("mant"), pybind11::arg("emin"), pybind11::arg("ebias"),
+        pybind11::arg("negzero"), pybind11::arg("pow2"), pybind11::arg("codes"), pybind11::arg("pb"),
+        pybind11::arg("special"), pybind11::arg("sb"), pybind11::arg("bias"), pybind11::arg("has_bias"),
+        pybind11::arg("isa"), pybind11::arg("rows"), pybind11::arg("out_code"));
   m.def("scale_epilogue", &fp8ref::scale_epilogue, pybind11::arg("y"), pybind11::arg("sa"), pybind11::arg("sb"),
         pybind11::arg("bias"), pybind11::arg("has_bias"), pybind11::arg("out_bf16"), pybind11::arg("isa") = -1);
 }

@@ -74,6 +74,13 @@ std::vector<at::Tensor> quant_blocks(at::Tensor x, int64_t r, int64_t c, double 
 at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor bias, bool has_bias,
                           bool out_bf16, int64_t isa);
 
+// linear.cpp: cpu-fp8's warm linear in one call (quant_blocks, the amax check, the GEMM, the output
+// rounding); undefined (None) where the Python steps must take the call. isa < 0: the packed kernel
+// (pb, special; `rows` rows per call), else fp8_e4m3_gemm's path. out_code: 0 fp32, 1 bf16, 2 fp16.
+at::Tensor fp8_linear(at::Tensor x, bool per_tensor, double qmax, double floor, int64_t mant, int64_t emin,
+                      int64_t ebias, bool negzero, bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special,
+                      at::Tensor sb, at::Tensor bias, bool has_bias, int64_t isa, int64_t rows, int64_t out_code);
+
 // The GEMMs' epilogue operands: sa [M] and sb [N] fp32, bias [N] fp32 when has_bias, contiguous.
 static inline void check_epilogue_args(const at::Tensor& sa, const at::Tensor& sb, const at::Tensor& bias,
                                        bool has_bias, int64_t M, int64_t N) {

@@ -1,0 +1,95 @@
+// cpu-fp8's warm linear in one call from Python: quant_blocks, the amax check, the GEMM in row
+// chunks and the rounding to the output dtype. These are the functions CpuFp8Backend.linear calls
+// one by one, called here in the same order on the same operands, so the bits are the same
+// (tests/test_fused_linear.py compares them); what this saves is the dozen Python-level torch
+// calls between them (about 25 us of a 576 x 576 decode call: docs/performance.md).
+//
+// x may have any number of dimensions (its rows are all but the last; the result is [..., N]).
+// Where one of the Python path's preconditions does not hold (x not an fp32/bf16/fp16 CPU
+// tensor with K columns, an empty operand, a bias that is not a finite [N] fp32/bf16/fp16 CPU
+// tensor, a block whose amax is not finite) it returns an undefined tensor, None in Python, and
+// computes nothing: the caller then runs CpuFp8Backend.linear, which raises or handles the case
+// in the spec's words.
+#include <cmath>
+
+#include <ATen/ops/cat.h>
+
+#include "fp8ref_cpu.h"
+
+namespace fp8ref {
+
+namespace {
+
+bool float_dtype(at::ScalarType st) { return st == at::kFloat || st == at::kBFloat16 || st == at::kHalf; }
+
+bool all_below_inf(const at::Tensor& t) {  // false for +-inf and NaN (a NaN compares false)
+  const float* p = t.data_ptr<float>();
+  for (int64_t i = 0, n = t.numel(); i < n; ++i)
+    if (!(p[i] < INFINITY)) return false;
+  return true;
+}
+
+bool all_finite(const at::Tensor& t) {
+  const float* p = t.data_ptr<float>();
+  for (int64_t i = 0, n = t.numel(); i < n; ++i)
+    if (!std::isfinite(p[i])) return false;
+  return true;
+}
+
+}  // namespace
+
+at::Tensor fp8_linear(at::Tensor x, bool per_tensor, double qmax, double floor, int64_t mant, int64_t emin,
+                      int64_t ebias, bool negzero, bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special,
+                      at::Tensor sb, at::Tensor bias, bool has_bias, int64_t isa, int64_t rows, int64_t out_code) {
+  const CsrGuard csr;  // IEEE subnormals on this thread (the functions called make their own too)
+  TORCH_CHECK(out_code >= 0 && out_code <= 2, "fp8_linear: out_code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+  TORCH_CHECK(rows >= 1, "fp8_linear: rows must be >= 1, got ", rows);
+  TORCH_CHECK(codes.defined() && codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.device().is_cpu(),
+              "fp8_linear: codes must be contiguous uint8 [N, K] on the CPU");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  check_fp32_vector(sb, N, "fp8_linear", "sb");
+  if (!x.defined() || x.dim() < 1 || !x.device().is_cpu() || !float_dtype(x.scalar_type()) || x.size(-1) != K ||
+      x.numel() == 0 || N == 0 || K == 0)
+    return at::Tensor();
+  at::Tensor b32;
+  if (has_bias) {
+    if (!bias.defined()) return at::Tensor();
+    if (bias.dim() != 1 || bias.size(0) != N || !bias.device().is_cpu() || !float_dtype(bias.scalar_type()))
+      return at::Tensor();
+    b32 = bias.to(at::kFloat).contiguous();
+    if (!all_finite(b32)) return at::Tensor();
+  }
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});  // rows: every dimension but the last
+  const int64_t M = x2.size(0);
+  std::vector<at::Tensor> q =
+      quant_blocks(x2.contiguous(), per_tensor ? M : 1, K, qmax, floor, mant, emin, ebias, negzero, pow2, 0, -1);
+  if (!all_below_inf(q[2])) return at::Tensor();
+  const at::Tensor a = q[0];
+  const at::Tensor sa = q[1].reshape({-1}).expand({M}).contiguous();
+  const at::Tensor bias_arg = has_bias ? b32 : sa;  // as the Python path: an unread placeholder
+  at::Tensor y;
+  if (isa < 0) {  // the packed avx512_bf16 kernel, `rows` activation rows per call
+    if (M <= rows) {
+      y = fp8_e4m3_gemm_packed(a, pb, special, N, sa, sb, bias_arg, has_bias);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (int64_t r = 0; r < M; r += rows) {
+        const int64_t n = std::min(rows, M - r);
+        parts.push_back(fp8_e4m3_gemm_packed(a.narrow(0, r, n), pb, special, N, sa.narrow(0, r, n), sb, bias_arg,
+                                             has_bias));
+      }
+      y = at::cat(parts);
+    }
+  } else {
+    y = fp8_e4m3_gemm(a, codes, sa, sb, bias_arg, has_bias, isa);
+  }
+  const at::ScalarType out = out_code == 0 ? at::kFloat : (out_code == 1 ? at::kBFloat16 : at::kHalf);
+  if (y.scalar_type() != out) y = y.to(out);
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end() - 1);
+  sizes.push_back(N);
+  return y.reshape(sizes);
+}
+
+}  // namespace fp8ref

@@ -1,0 +1,163 @@
+"""A plan's bound call (``Backend.bind_linear``; cpu-fp8's one call into the extension,
+csrc/linear.cpp) returns what the backend's ``linear`` returns, bit for bit, hands back (None) every
+call that ``linear`` would not take on its fast path, and is what a warm ``Fp8Linear`` runs
+(issue 42)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8ref
+from fp8ref.kernels.cpu_fp8 import PACKED_ROWS, PATH_FLAGS, CpuFp8Backend
+
+RECIPES = [fp8ref.W8A8_FP8, fp8ref.FP8_PER_TENSOR]
+
+
+def _backend(path: str | None = None) -> CpuFp8Backend:
+    from fp8ref._machine import cpu_flags, cpu_model
+
+    be = CpuFp8Backend()
+    reason = be.available()
+    if reason:
+        pytest.skip(f"cpu-fp8: {reason}")
+    if path is not None:
+        missing = [f for f in PATH_FLAGS[path] if f not in cpu_flags()]
+        if missing:
+            pytest.skip(f"this CPU ({cpu_model()}) lacks {', '.join(missing)}: the {path} path cannot run here")
+        be.isa = path
+    return be
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _weight(be, N, K, recipe, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return be.prepare_weight(fp8ref.quantize(torch.randn(N, K, generator=g), recipe.weight))
+
+
+@pytest.mark.parametrize("path", ["packed", "avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_bound_call_is_linear_bit_for_bit(path, recipe):
+    be = _backend(path)
+    N, K = 40, 72
+    w = _weight(be, N, K, recipe)
+    g = torch.Generator().manual_seed(1)
+    Ms = [1, 3, 17] + ([PACKED_ROWS + 5] if path == "packed" else [])  # the packed path's row chunks
+    for x_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
+            fn = be.bind_linear(w, recipe.activation, out_dtype)
+            assert fn is not None
+            for M in Ms:
+                x = (torch.randn(M, K, generator=g) * 3).to(x_dtype)
+                nd = fn(x.reshape(1, M, 1, K), None)  # rows are every dimension but the last
+                assert nd is not None and nd.shape == (1, M, 1, N)
+                assert torch.equal(_bits(nd.reshape(M, N)), _bits(fn(x, None)))
+                for bias in (None, torch.randn(N, generator=g).to(x_dtype)):
+                    got = fn(x, bias)
+                    want = be.linear(x, w, bias, out_dtype, recipe.activation)
+                    assert got is not None and got.dtype == want.dtype == out_dtype and got.shape == (M, N)
+                    assert torch.equal(_bits(got), _bits(want)), (path, recipe.name, x_dtype, out_dtype, M, bias)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_bound_call_hands_back_what_linear_handles_otherwise(recipe):
+    """NaN/Inf in x or the bias, a bias of another shape or dtype, K or M of 0: None, so that the
+    caller runs ``linear``, which raises (or computes) in the spec's words."""
+    be = _backend()
+    N, K = 24, 40
+    w = _weight(be, N, K, recipe)
+    fn = be.bind_linear(w, recipe.activation, torch.bfloat16)
+    x = torch.randn(4, K)
+    bad_x = x.clone()
+    bad_x[2, 5] = float("nan")
+    inf_x = x.clone()
+    inf_x[0, 0] = float("inf")
+    nan_bias = torch.randn(N)
+    nan_bias[3] = float("nan")
+    cases = [(bad_x, None), (inf_x, None), (x, nan_bias), (x, torch.randn(N + 1)),
+             (x, torch.randn(N, dtype=torch.float64)), (x, torch.randn(1, N)), (torch.randn(0, K), None),
+             (x.to(torch.float64), None), (torch.randn(4, K + 1), None), (torch.randn(2, 0, K), None)]
+    for xx, bias in cases:
+        assert fn(xx, bias) is None, (xx.shape, xx.dtype, None if bias is None else (bias.shape, bias.dtype))
+    with pytest.raises(ValueError):
+        be.linear(bad_x, w, None, torch.bfloat16, recipe.activation)
+    with pytest.raises(ValueError):
+        be.linear(x, w, nan_bias, torch.bfloat16, recipe.activation)
+
+
+def test_bind_declines_what_it_does_not_compute():
+    be = _backend()
+    w = _weight(be, 16, 32, fp8ref.W8A8_FP8)
+    unprepared = fp8ref.quantize(torch.randn(16, 32), fp8ref.W8A8_FP8.weight)
+    assert be.bind_linear(unprepared, fp8ref.W8A8_FP8.activation, torch.bfloat16) is None
+    assert be.bind_linear(w, fp8ref.W8A8_FP8.activation, torch.float64) is None
+    assert be.bind_linear(w, fp8ref.FP8_BLOCK.activation, torch.bfloat16) is None  # group scales
+
+
+def test_bound_call_follows_a_forced_path():
+    """A path forced after binding (tests do it on the shared instance) hands calls back."""
+    be = _backend()
+    w = _weight(be, 16, 32, fp8ref.W8A8_FP8)
+    fn = be.bind_linear(w, fp8ref.W8A8_FP8.activation, torch.bfloat16)
+    x = torch.randn(2, 32)
+    assert fn(x, None) is not None
+    be.isa = "scalar"
+    assert fn(x, None) is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_warm_fp8linear_runs_the_bound_call(bias, monkeypatch, tmp_path):
+    """The plan of a warm ``Fp8Linear`` call on cpu-fp8 holds the bound call, and the layer's
+    output is ``linear``'s, bit for bit."""
+    from fp8ref import select as sel
+
+    _backend()
+    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
+    sel.clear_cache()
+    try:
+        lin = torch.nn.Linear(64, 48, bias=bias, dtype=torch.bfloat16)
+        q = fp8ref.Fp8Linear.from_linear(lin, backend="cpu-fp8")
+        x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+        with torch.no_grad():
+            y = q(x)
+            p = q.plan(x)
+            assert p is not None and p.fast is not None
+            calls = []
+            fast = p.fast
+            object.__setattr__(p, "fast", lambda x2, b: calls.append(1) or fast(x2, b))
+            y2 = q(x)
+            assert calls == [1]
+            want = p.backend.linear(x.reshape(-1, 64), p.prepared, q.bias, p.out_dtype, p.scheme).reshape(3, 5, 48)
+        assert torch.equal(_bits(y), _bits(want)) and torch.equal(_bits(y2), _bits(want))
+    finally:
+        sel.clear_cache()
+
+
+def test_fused_entry_point_guards_its_operands():
+    """``fp8_linear`` checks what it reads through raw pointers (RuntimeError, never a crash)."""
+    from fp8ref.kernels import _common, native
+
+    be = _backend()
+    mod = native.loaded()
+    w = _weight(be, 16, 32, fp8ref.W8A8_FP8)
+    codes, sb = w.extra["codes"], w.extra["sb"]
+    pb, special = w.extra["packed"] if w.extra.get("packed") is not None else (codes, codes)
+    isa = -1 if w.extra.get("packed") is not None else 1
+    s = fp8ref.W8A8_FP8.activation
+    head = (False, s.qmax, s.amax_floor, *_common.native_format_args(s), False)
+    x = torch.randn(2, 32)
+
+    def call(*, x=x, codes=codes, pb=pb, special=special, sb=sb, bias=sb, has_bias=False, isa=isa, rows=256, out=1):
+        return mod.fp8_linear(x, *head, codes, pb, special, sb, bias, has_bias, isa, rows, out)
+
+    assert call() is not None
+    bad = [{"codes": codes.view(torch.int8)}, {"codes": codes.t()}, {"sb": torch.ones(15)},
+           {"sb": torch.ones(16, dtype=torch.float64)}, {"out": 3}, {"rows": 0}, {"isa": 7}]
+    if isa < 0:  # the packed weight's shape must fit the codes'
+        bad += [{"pb": pb[:, :-1]}, {"special": special[:, :-1]}]
+    for kw in bad:
+        with pytest.raises(RuntimeError):
+            call(**kw)
