@@ -1,12 +1,14 @@
-"""CPU time of a warm eager ``Fp8Linear`` call over its backend's own ``linear`` (issue 42's budget).
+"""Time of a warm eager ``Fp8Linear`` call over its backend's kernel (issue 42's budget).
 
 For each SmolLM2-135M linear shape and M in (1, 64): builds an ``Fp8Linear`` (``weight_check``
-given), warms it, then times, alternating in rounds, ``layer(x)`` and the chosen backend's
-``linear(x2, prepared, bias, out_dtype, scheme)`` alone, in ``time.process_time`` (CPU seconds:
-the machine may be shared). Prints per shape the CPU microseconds per call of each and the
-difference, and the distribution of the differences. Run under ``OMP_NUM_THREADS=1`` and ``=2``.
+given), warms it, then times, alternating in rounds, ``layer(x)`` and the kernel alone: the plan's
+bound call (``Backend.bind_linear``: cpu-fp8's single call into its extension) where the backend
+binds one, else its ``linear(x2, prepared, bias, out_dtype, scheme)``. The clock is ``--clock``'s
+(``CLOCKS``; wall time by default: run it on a quiet machine). Prints per shape the microseconds
+per call of each and the difference, and the distribution of the differences. Run under
+``OMP_NUM_THREADS=1`` and ``=2``.
 
-    python benchmarks/call_overhead.py [--iters 2000] [--rounds 5] [--weight-check sample]
+    python benchmarks/call_overhead.py [--iters 2000] [--rounds 5] [--weight-check sample] [--clock wall]
 """
 
 from __future__ import annotations
@@ -37,11 +39,19 @@ class _Ready:
         return self.y
 
 
+#: ``--clock``: wall time (a quiet machine), this thread's CPU time (the Python and the kernel's share
+#: on the calling thread; with 2 threads the other thread's part is in neither figure, so the
+#: difference is the calling thread's extra work), or the process's CPU time (with 2 threads it counts
+#: the worker's spinning at the barrier while the caller runs Python).
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
+_clock = time.perf_counter
+
+
 def _per_call(fn, iters: int) -> float:
-    t0 = time.process_time()
+    t0 = _clock()
     for _ in range(iters):
         fn()
-    return (time.process_time() - t0) / iters * 1e6
+    return (_clock() - t0) / iters * 1e6
 
 
 def measure(N: int, K: int, M: int, iters: int, rounds: int, weight_check: str,
@@ -57,8 +67,13 @@ def measure(N: int, K: int, M: int, iters: int, rounds: int, weight_check: str,
         def layer():
             q(x)
 
-        def kernel():
-            backend.linear(x, prepared, None, od, scheme)
+        fast = plan.fast if plan.fast is not None and plan.fast(x, None) is not None else None
+
+        def kernel():  # the plan's bound call (one call into the extension) where there is one
+            if fast is not None:
+                fast(x, None)
+            else:
+                backend.linear(x, prepared, None, od, scheme)
 
         layer(), kernel()
         a, b = [], []
@@ -67,8 +82,8 @@ def measure(N: int, K: int, M: int, iters: int, rounds: int, weight_check: str,
             b.append(_per_call(kernel, iters))
         plans = q._plans.plans
         key = next(k for k, v in plans.items() if v is plan)
-        plans[key] = dataclasses.replace(plan, backend=_Ready(kernel_out := backend.linear(x, prepared, None, od,
-                                                                                            scheme)))
+        plans[key] = dataclasses.replace(plan, fast=None, backend=_Ready(kernel_out := backend.linear(
+            x, prepared, None, od, scheme)))
         assert kernel_out is not None
         c = [_per_call(layer, iters * 10) for _ in range(rounds)]
     return backend.name, min(a), min(b), min(c)
@@ -79,9 +94,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--weight-check", default="sample")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     a = p.parse_args()
+    global _clock
+    _clock = CLOCKS[a.clock]
     print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, "
-          f"weight_check={a.weight_check}")
+          f"weight_check={a.weight_check}, clock {a.clock}")
     over, python = [], []
     for N, K in SHAPES:
         for M in (1, 64):

@@ -161,3 +161,26 @@ def test_fused_entry_point_guards_its_operands():
     for kw in bad:
         with pytest.raises(RuntimeError):
             call(**kw)
+
+
+class _BoundDoubleRounding(CpuFp8Backend):
+    """A bound call that rounds the fp32 result to fp16 before out_dtype: a second rounding that
+    ``linear`` does not make (what a hand-written fast path gets wrong)."""
+
+    name = "mutant-bound-double-rounding"
+
+    def bind_linear(self, w, scheme, out_dtype):
+        fn = super().bind_linear(w, scheme, torch.float32)
+        if fn is None:
+            return None
+        return lambda x, bias: (lambda y: None if y is None else y.to(torch.float16).to(out_dtype))(fn(x, bias))
+
+
+def test_linear_matches_two_calls_checks_the_bound_call():
+    from fp8ref.conformance import check
+
+    _backend()
+    rep = check(CpuFp8Backend(), "ci", seed=0, contracts=["linear.matches_two_calls"])
+    assert rep.passed, rep.to_text()
+    rep = check(_BoundDoubleRounding(), "ci", seed=0, contracts=["linear.matches_two_calls"])
+    assert not rep.passed and "bound call" in rep.to_text(), rep.to_text()

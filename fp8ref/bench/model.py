@@ -112,12 +112,15 @@ def _linear_inputs(model: nn.Module, step: Callable[[], Any]) -> list[tuple[nn.M
 
 
 def _kernel_call(mod: Fp8Linear, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The backend of the plan ``mod`` runs on ``x``, called on the plan's prepared weight: the kernel alone."""
+    """The backend of the plan ``mod`` runs on ``x``, called on the plan's prepared weight: the kernel alone
+    (the plan's bound call where the backend binds one, ``Backend.bind_linear``, else its ``linear``)."""
     p = mod.plan(x)
     if p is None:
         raise ValueError(f"{mod!r} runs {tuple(x.shape)} through fp8ref.linear (weight_check='content'?): no plan "
                          "to time its kernel alone")
     x2, bias = x.reshape(-1, x.shape[-1]), mod.bias
+    if p.fast is not None and p.fast(x, bias) is not None:  # the plan's bound call: one call into the kernel
+        return lambda: p.fast(x, bias)
     return lambda: p.backend.linear(x2, p.prepared, bias, p.out_dtype, p.scheme)
 
 

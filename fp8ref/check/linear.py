@@ -156,7 +156,9 @@ def check_linear_bound(backend: Backend, p: LinearProblem, *, call_linear: Linea
 
 def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     """``Backend.linear`` (the fused hook ``fp8ref.linear`` calls) returns what ``scaled_mm(quantize(x))``
-    returns, bit for bit, on the weight prepared by ``prepare_weight``."""
+    returns, bit for bit, on the weight prepared by ``prepare_weight``; and where the backend binds
+    a warm call for a dynamic scheme (``Backend.bind_linear``), that call returns ``linear``'s bits
+    (or hands the case back)."""
     require_supported(backend, p.case())
     x, w, bias, scale, _, qw = _linear_inputs(p)
     x, bias, scale = x.clone(), _clone(bias), _clone(scale)
@@ -171,7 +173,29 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
                                 f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
     if not same_bits(y1, y2):
         raise ContractViolation(f"linear differs from scaled_mm(quantize): {first_diff(y1, y2)}")
+    y3 = _bound_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation) if scale is None else None
+    if y3 is not None:
+        if not isinstance(y3, torch.Tensor) or tuple(y3.shape) != tuple(y1.shape) or y3.dtype != y1.dtype:
+            raise ContractViolation(f"the bound call (bind_linear) returned {type(y3).__name__} "
+                                    f"{tuple(getattr(y3, 'shape', ()))} {getattr(y3, 'dtype', '')}, linear "
+                                    f"{tuple(y1.shape)} {y1.dtype}")
+        if not same_bits(y3, y1):
+            raise ContractViolation(f"the bound call (bind_linear) differs from linear: {first_diff(y3, y1)}")
     return 0.0
+
+
+def _bound_linear(backend: Backend, x, prepared, bias, out_dtype, scheme):
+    """What the backend's bound call (``Backend.bind_linear``, a plan's warm call) returns for this
+    case, or None where it binds nothing or hands the call back to ``linear``."""
+    bind = getattr(backend, "bind_linear", None)
+    if bind is None:
+        return None
+    with backend_threads():
+        fast = bind(prepared, scheme, out_dtype)
+        if fast is None:
+            return None
+        y = fast(to_backend_device(x), to_backend_device(bias))
+    return None if y is None else to_host(y)
 
 
 def _prepare(backend: Backend, qw: Quantized, w: torch.Tensor) -> Any:
