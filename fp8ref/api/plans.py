@@ -160,13 +160,10 @@ def make_plan(e: WeightEntry, req: Request, bias: object = None) -> Plan:
 
 
 def _bind(b: _Backend, prepared: object, scheme: QuantScheme, out_dtype: torch.dtype):
-    """``b.bind_linear(...)``, or None where the backend has no such hook or binding fails (its
-    calls then take ``b.linear``, which reports whatever is wrong)."""
-    bind = getattr(b, "bind_linear", None)
-    if bind is None:
-        return None
+    """``b.bind_linear(...)``, or None where the backend binds nothing or binding fails (its calls
+    then take ``b.linear``, which reports whatever is wrong)."""
     try:
-        fast = bind(prepared, scheme, out_dtype)
+        fast = b.bind_linear(prepared, scheme, out_dtype)
     except Exception:
         return None
     return fast if callable(fast) else None

@@ -187,11 +187,8 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
 def _bound_linear(backend: Backend, x, prepared, bias, out_dtype, scheme):
     """What the backend's bound call (``Backend.bind_linear``, a plan's warm call) returns for this
     case, or None where it binds nothing or hands the call back to ``linear``."""
-    bind = getattr(backend, "bind_linear", None)
-    if bind is None:
-        return None
     with backend_threads():
-        fast = bind(prepared, scheme, out_dtype)
+        fast = backend.bind_linear(prepared, scheme, out_dtype)
         if fast is None:
             return None
         y = fast(to_backend_device(x), to_backend_device(bias))

@@ -1,8 +1,8 @@
 // cpu-fp8's warm linear in one call from Python: quant_blocks, the amax check, the GEMM in row
 // chunks and the rounding to the output dtype. These are the functions CpuFp8Backend.linear calls
 // one by one, called here in the same order on the same operands, so the bits are the same
-// (tests/test_fused_linear.py compares them); what this saves is the dozen Python-level torch
-// calls between them (about 25 us of a 576 x 576 decode call: docs/performance.md).
+// (tests/test_bound_linear.py compares them); what this saves is the dozen Python-level torch
+// calls between them (docs/performance.md, "Figures behind the code").
 //
 // x may have any number of dimensions (its rows are all but the last; the result is [..., N]).
 // Where one of the Python path's preconditions does not hold (x not an fp32/bf16/fp16 CPU
