@@ -210,3 +210,37 @@ def test_decide_dense_checks_its_arguments():
         q.decide_dense(8, torch.int8, dense=True)
     with pytest.raises(TypeError, match="dense must be a bool"):
         q.decide_dense(8, dense=1)
+
+
+@pytest.mark.slow  # ~15 s: the backends of the tiny model's shapes are selected
+def test_bench_model_records_the_decisions(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from fp8ref.bench import model as bm
+
+    def tiny(name, layers=1):
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=layers, vocab_size=96)
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+    # Injected: prefill-sized buckets dense, decode FP8 (no timing).
+    monkeypatch.setattr(dense, "decide", lambda key, M, f, d, device="cpu": dense.DenseChoice(
+        bucket=sel.m_bucket(M), dense=M > 1, ratio=0.5 if M > 1 else 2.0))
+    monkeypatch.setattr(bm, "build_model", tiny)
+    r = bm.bench_model("llama8b", prompt=8, tokens=2, repeat=1, budget_s=0.1, dense_fallback="auto")
+    d = r["dense_fallback"]
+    assert (d["mode"], d["layers"]) == ("auto", 7) and d["extra_bytes"] > 0
+    assert {(x["bucket"], x["dense"]) for x in d["decisions"]} == {(1, False), (8, True)}
+    assert "dense_layers" not in r["breakdown"]["fp8"] and r["breakdown"]["fp8"]["fp8_layers"] == 7
+    text = bm.format_model_report({"meta": {}, "models": [r]})
+    assert "llama8b: dense fallback 'auto': 7 layers keep their original weight" in text
+    assert "64x64 bfloat16 M<=8: dense (fp8/dense speed 0.50)" in text
+
+
+def test_bench_takes_dense_fallback_auto_only():
+    from fp8ref.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--model", "llama8b", "--dense-fallback", "auto"])
+    assert args.dense_fallback == "auto" and build_parser().parse_args(["bench"]).dense_fallback is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--dense-fallback", "on"])
