@@ -99,6 +99,11 @@ class Fp8Linear(nn.Module):
     candidates = _setting("candidates", "The backends ``\"auto\"`` may choose among (None: the default set).",
                           lambda c: None if c is None else tuple(c))
     weight_check = _setting("weight_check", "How a change to the weight is noticed (see ``fp8ref.linear``).")
+    # The dense fallback's state (set per instance by __init__ and from_linear); the class holds
+    # "off" for a layer pickled before it existed.
+    dense_fallback: str | None = None
+    _dense_on = False
+    _dense_dropped: str | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
@@ -290,11 +295,15 @@ class Fp8Linear(nn.Module):
 
     def decide_dense(self, M: int, dtype: torch.dtype | None = None, *, dense: bool | None = None
                      ) -> _dense.DenseChoice:
-        """Decide now whether eager calls with ``M`` rows (their M bucket) of x in ``dtype`` (default:
-        the kept weight's) run dense: by the paired timing of ``fp8ref.select.dense.decide`` (the
-        layer's own FP8 call, without hooks, against ``F.linear`` on the kept weight, at
-        min(bucket, ``TIME_M_CAP``) rows), or, with ``dense=True``/``False``, as given. Needs
-        ``dense_fallback="auto"`` (``ValueError`` otherwise).
+        """Decide now whether eager calls with ``M`` rows (their M bucket) run dense: by the paired
+        timing of ``fp8ref.select.dense.decide`` (the layer's own FP8 call, without hooks, against
+        ``F.linear`` on the kept weight, at min(bucket, ``TIME_M_CAP``) rows), or, with
+        ``dense=True``/``False``, as given. ``dtype``, x's dtype, must be the kept weight's (the
+        default; an x of another dtype runs FP8). Needs ``dense_fallback="auto"`` (``ValueError``
+        otherwise).
+
+        The timing runs the layer's FP8 path with the dense path switched off on the instance
+        meanwhile: a call from another thread during it runs FP8.
 
         Examples
         --------
@@ -311,8 +320,9 @@ class Fp8Linear(nn.Module):
         if isinstance(M, bool) or not isinstance(M, int) or M < 0:
             raise ValueError(f"M must be an int >= 0, got {M!r}")
         dtype = w.dtype if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if dtype != w.dtype:
+            raise ValueError(f"dtype must be the kept weight's dtype {w.dtype} (x of another dtype runs FP8), got "
+                             f"{dtype!r}")
         if dense is not None:
             c = _dense.forced(M, dense)
         else:
@@ -323,7 +333,6 @@ class Fp8Linear(nn.Module):
     def _timed_choice(self, M: int, dtype: torch.dtype, w: torch.Tensor) -> _dense.DenseChoice:
         gen = torch.Generator().manual_seed(2)
         xt = torch.randn(_dense.timed_rows(M), self.in_features, generator=gen).to(dtype).to(w.device)
-        wt = w if w.dtype == dtype else w.to(dtype)
         bias = self.bias
         fp8_side = (f"{self.recipe.short_str()}|backend={self.backend}|precision={self.precision}|"
                     f"cands={self.candidates}|out={self.out_dtype}|check={self.weight_check}")
@@ -334,7 +343,7 @@ class Fp8Linear(nn.Module):
         try:
             with torch.no_grad():
                 return _dense.decide(key, M, lambda: self.forward(xt),
-                                     lambda: F.linear(xt, wt, None if bias is None else bias.to(dtype)), w.device)
+                                     lambda: F.linear(xt, w, bias), w.device)
         finally:
             d["_dense_on"] = on
 

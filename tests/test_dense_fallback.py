@@ -74,10 +74,14 @@ def test_decisions_are_per_bucket_and_dtype():
     lin = _linear(dtype=torch.float32)
     q = fp8ref.Fp8Linear.from_linear(lin, backend="reference", dense_fallback="auto")
     q.decide_dense(16, dense=True)
-    q.decide_dense(16, torch.bfloat16, dense=False)
     x = torch.randn(9, 40)
     assert torch.equal(q(x), F.linear(x, lin.weight, lin.bias))
     xb = x.to(torch.bfloat16)  # the kept weight is float32: a bf16 x runs FP8 whatever its bucket says
+    assert torch.equal(q(xb), _fp8(q, xb))
+    with pytest.raises(ValueError, match="kept weight's dtype"):
+        q.decide_dense(16, torch.bfloat16, dense=True)
+    q.to(torch.bfloat16)  # now the kept weight is bf16: its buckets are decided anew
+    q.decide_dense(16, dense=False)
     assert torch.equal(q(xb), _fp8(q, xb))
     assert [(dt, c.bucket, c.dense, c.source) for dt, c in q.dense_decisions()] == [
         (torch.bfloat16, 16, False, "forced"), (torch.float32, 16, True, "forced")]
@@ -207,7 +211,7 @@ def test_decide_dense_checks_its_arguments():
         with pytest.raises(ValueError, match="M must be"):
             q.decide_dense(M, dense=True)
     with pytest.raises(ValueError, match="dtype"):
-        q.decide_dense(8, torch.int8, dense=True)
+        q.decide_dense(8, torch.float16, dense=True)
     with pytest.raises(TypeError, match="dense must be a bool"):
         q.decide_dense(8, dense=1)
 
