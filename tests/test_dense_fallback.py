@@ -248,3 +248,13 @@ def test_bench_takes_dense_fallback_auto_only():
     assert args.dense_fallback == "auto" and build_parser().parse_args(["bench"]).dense_fallback is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--dense-fallback", "on"])
+
+
+@pytest.mark.slow  # ~10 s of compilation
+def test_compiled_calls_run_fp8_whatever_the_decision():
+    lin = _linear()
+    q = fp8ref.Fp8Linear.from_linear(lin, backend="reference", dense_fallback="auto")
+    q.decide_dense(8, dense=True)
+    x = torch.randn(8, 40, dtype=torch.bfloat16)
+    assert torch.equal(q(x), F.linear(x, lin.weight, lin.bias))
+    assert torch.equal(torch.compile(q, fullgraph=True)(x), _fp8(q, x))  # the custom op has no dense path
