@@ -3,24 +3,30 @@
 ``Fp8Linear`` stores the weight once as FP8 codes plus dequantization scales (buffers ``weight``
 and ``weight_scale``, the compressed-tensors names), keeps the bias as it was, and runs
 ``fp8ref.linear`` in ``forward`` (backend "auto" by default: the fastest compliant backend).
-``fp8ref.surgery.quantize_model`` swaps every ``nn.Linear`` of a model for one, in place.
+``fp8ref.surgery.quantize_model`` swaps every ``nn.Linear`` of a model for one, in place. With
+``dense_fallback="auto"`` a layer also keeps its original weight and runs ``F.linear`` on it in the
+M buckets where FP8 measured slower (``fp8ref.select.dense``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .api import LayerPlans, Plan, linear
 from .ops import linear_op, recipe_key
+from .select import dense as _dense
+from .select.cache import generation as _generation
 from .select.keys import m_bucket
 from .spec.checks import check_bias, check_codes, check_dense, check_finite
 from .spec.quant import Quantized, check_float_input, quantize
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
-from .weightcheck import tensor_version
+from .weightcheck import pair_version, tensor_version
 
 __all__ = ["Fp8Linear"]
 
@@ -70,6 +76,12 @@ class Fp8Linear(nn.Module):
     weight_scale : torch.Tensor (buffer)
         Dequantization scales, ``recipe.weight.scale_shape(out, in)`` (``[N, 1]`` per channel).
     bias : nn.Parameter or None
+    dense_fallback : {None, "auto"}
+        Whether the layer keeps its original weight for the M buckets where FP8 measured slower
+        (``from_linear(..., dense_fallback="auto")``; None for a layer built any other way).
+    dense_weight : torch.Tensor (non-persistent buffer), only with ``dense_fallback="auto"``
+        The original weight, in its dtype: what a call that runs dense computes with
+        (``F.linear(x, dense_weight, bias)``). Not in the state dict (see ``from_linear``).
 
     Examples
     --------
@@ -87,6 +99,11 @@ class Fp8Linear(nn.Module):
     candidates = _setting("candidates", "The backends ``\"auto\"`` may choose among (None: the default set).",
                           lambda c: None if c is None else tuple(c))
     weight_check = _setting("weight_check", "How a change to the weight is noticed (see ``fp8ref.linear``).")
+    # The dense fallback's state (set per instance by __init__ and from_linear); the class holds
+    # "off" for a layer pickled before it existed.
+    dense_fallback: str | None = None
+    _dense_on = False
+    _dense_dropped: str | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: Recipe | str = W8A8_FP8, backend: str = "auto", precision: str = "standard",
@@ -108,13 +125,33 @@ class Fp8Linear(nn.Module):
                                  requires_grad=False) if bias else None
         self._qw: Quantized | None = None
         self._qw_key: tuple | None = None
+        self.dense_fallback: str | None = None
+        self._dense_on = False  #: a kept dense weight is consulted on each eager call
+        self._dense_choices: dict[tuple[int, torch.dtype], _dense.DenseChoice] = {}
+        self._dense_gen = _generation()
+        self._dense_version: tuple | None = None  #: the codes' and scales' version the kept weight matches
+        self._dense_dropped: str | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = W8A8_FP8, backend: str = "auto",
                     precision: str = "standard", out_dtype: torch.dtype | None = None, *,
                     candidates: Sequence[str] | None = None,
-                    weight_check: str | None = None) -> Fp8Linear:
+                    weight_check: str | None = None, dense_fallback: str | None = None) -> Fp8Linear:
         """Quantize an ``nn.Linear``'s weight (reference quantizer, once) into a new ``Fp8Linear``.
+
+        With ``dense_fallback="auto"`` the layer also keeps a copy of the original weight, in its
+        dtype, as the non-persistent buffer ``dense_weight`` (it costs the original weight's memory
+        again), and decides once per M bucket and x dtype (at the bucket's first eager call, by a
+        paired timing of its own FP8 call against ``F.linear`` on that weight:
+        ``fp8ref.select.dense``) whether that bucket's calls run ``F.linear(x, dense_weight, bias)``
+        instead of FP8: where FP8 measured slower. Such a call computes the unquantized layer,
+        outside the W8A8 contract (docs/spec.md), without fp8ref's NaN/Inf checks of x; it applies
+        only where x has the kept weight's dtype and device and the output dtype is x's. Under
+        ``torch.compile``/``torch.export`` (the custom op) every call runs FP8. The kept weight is
+        not in the state dict (a checkpoint stays the FP8 layer's); a change to the codes or scales
+        after quantization (``load_state_dict``, an in-place write) makes it another layer's
+        weight: the layer then drops it, with a warning, and runs FP8. Default None: no copy, no
+        decision, the layer as without the argument.
 
         Examples
         --------
@@ -125,6 +162,7 @@ class Fp8Linear(nn.Module):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        _dense.check_dense_fallback(dense_fallback)
         recipe = get_recipe(recipe)
         w = linear.weight.detach()
         check_dense(w, "linear.weight")  # a meta model has no values to quantize
@@ -141,6 +179,11 @@ class Fp8Linear(nn.Module):
             mod.weight_scale.copy_(q.scale)
             if linear.bias is not None:
                 mod.bias.copy_(linear.bias.detach())
+        if dense_fallback == "auto":
+            mod.register_buffer("dense_weight", w.clone(), persistent=False)
+            mod.dense_fallback = dense_fallback
+            mod._dense_on = True
+            mod._dense_version = pair_version(mod.weight, mod.weight_scale)
         return mod
 
     @classmethod
@@ -199,13 +242,18 @@ class Fp8Linear(nn.Module):
         requires grad, ``weight_check="content"``, a call that does not check out and a backend
         that raises go through ``fp8ref.linear`` itself (its errors, its byte comparison, its
         fallback under ``"auto"``). Under ``torch.compile`` / ``torch.export`` the layer is one
-        ``torch.ops.fp8ref.linear``.
+        ``torch.ops.fp8ref.linear``. With ``dense_fallback="auto"`` (``from_linear``) an eager call
+        in an M bucket decided dense is ``F.linear(x, self.dense_weight, self.bias)``.
         """
         if torch.compiler.is_compiling():  # torch.compile / torch.export: one opaque op (fp8ref.ops)
             cands = None if self.candidates is None else ",".join(self.candidates)
             return linear_op(x, self.weight, self.weight_scale, self.bias, recipe=recipe_key(self.recipe),
                              backend=self.backend, precision=self.precision, out_dtype=self.out_dtype,
                              candidates=cands, weight_check=self.weight_check)
+        if self._dense_on:  # dense_fallback="auto" (from_linear)
+            y = self._dense_forward(x)
+            if y is not None:
+                return y
         plans = self._plans
         if plans is None:
             plans = self._new_plans()
@@ -223,11 +271,101 @@ class Fp8Linear(nn.Module):
                                          d["_candidates"], d["_weight_check"])
         return plans
 
+    def _dense_forward(self, x) -> torch.Tensor | None:
+        """``F.linear(x, dense_weight, bias)`` where x's bucket is decided dense (deciding it at its
+        first call), else None: the FP8 path takes the call."""
+        w = self._buffers.get("dense_weight")
+        if (type(x) is not torch.Tensor or not x.dim() or w is None or x.dtype != w.dtype or x.device != w.device
+                or x.shape[-1] != self.in_features or self.out_dtype not in (None, x.dtype)):
+            return None
+        M = math.prod(x.shape[:-1])
+        if self._dense_gen != _generation():  # fp8ref.select.clear_cache(): timed decisions are made again
+            self._dense_choices = {k: c for k, c in self._dense_choices.items() if c.source == "forced"}
+            self._dense_gen = _generation()
+        c = self._dense_choices.get((m_bucket(M), x.dtype))
+        if c is None:
+            c = self.decide_dense(M, x.dtype)
+        if not c.dense:
+            return None
+        if pair_version(self.weight, self.weight_scale) != self._dense_version:
+            self._drop_dense("the FP8 weight or its scales were written after quantization (load_state_dict, an "
+                             "in-place write), so the kept dense weight is no longer this layer's")
+            return None
+        return F.linear(x, w, self.bias)
+
+    def decide_dense(self, M: int, dtype: torch.dtype | None = None, *, dense: bool | None = None
+                     ) -> _dense.DenseChoice:
+        """Decide now whether eager calls with ``M`` rows (their M bucket) run dense: by the paired
+        timing of ``fp8ref.select.dense.decide`` (the layer's own FP8 call, without hooks, against
+        ``F.linear`` on the kept weight, at min(bucket, ``TIME_M_CAP``) rows), or, with
+        ``dense=True``/``False``, as given. ``dtype``, x's dtype, must be the kept weight's (the
+        default; an x of another dtype runs FP8). Needs ``dense_fallback="auto"`` (``ValueError``
+        otherwise).
+
+        The timing runs the layer's FP8 path with the dense path switched off on the instance
+        meanwhile: a call from another thread during it runs FP8.
+
+        Examples
+        --------
+        >>> import torch, fp8ref
+        >>> q = fp8ref.Fp8Linear.from_linear(torch.nn.Linear(16, 8), backend="reference", dense_fallback="auto")
+        >>> q.decide_dense(128, dense=True).short_str()
+        'M<=128: dense (forced)'
+        """
+        w = self._buffers.get("dense_weight")
+        if w is None:
+            dropped = "" if self._dense_dropped is None else f" (its dense weight was dropped: {self._dense_dropped})"
+            raise ValueError(f"decide_dense needs a layer built with Fp8Linear.from_linear(..., dense_fallback="
+                             f"'auto'){dropped}")
+        if isinstance(M, bool) or not isinstance(M, int) or M < 0:
+            raise ValueError(f"M must be an int >= 0, got {M!r}")
+        dtype = w.dtype if dtype is None else dtype
+        if dtype != w.dtype:
+            raise ValueError(f"dtype must be the kept weight's dtype {w.dtype} (x of another dtype runs FP8), got "
+                             f"{dtype!r}")
+        if dense is not None:
+            c = _dense.forced(M, dense)
+        else:
+            c = self._timed_choice(M, dtype, w)
+        self._dense_choices[(c.bucket, dtype)] = c
+        return c
+
+    def _timed_choice(self, M: int, dtype: torch.dtype, w: torch.Tensor) -> _dense.DenseChoice:
+        gen = torch.Generator().manual_seed(2)
+        xt = torch.randn(_dense.timed_rows(M), self.in_features, generator=gen).to(dtype).to(w.device)
+        bias = self.bias
+        fp8_side = (f"{self.recipe.short_str()}|backend={self.backend}|precision={self.precision}|"
+                    f"cands={self.candidates}|out={self.out_dtype}|check={self.weight_check}")
+        key = _dense.dense_key(N=self.out_features, K=self.in_features, M=M, x_dtype=dtype, device=w.device,
+                               has_bias=bias is not None, fp8=fp8_side)
+        d = self.__dict__
+        on, d["_dense_on"] = d["_dense_on"], False  # the FP8 side is this layer's call without the dense path
+        try:
+            with torch.no_grad():
+                return _dense.decide(key, M, lambda: self.forward(xt),
+                                     lambda: F.linear(xt, w, bias), w.device)
+        finally:
+            d["_dense_on"] = on
+
+    def _drop_dense(self, why: str) -> None:
+        self._buffers.pop("dense_weight", None)
+        self._dense_on, self._dense_dropped = False, why
+        self._dense_choices = {}
+        warnings.warn(f"Fp8Linear({self.in_features}, {self.out_features}): dense fallback dropped: {why}; its calls "
+                      "run FP8", RuntimeWarning, stacklevel=3)
+
+    def dense_decisions(self) -> list[tuple[torch.dtype, _dense.DenseChoice]]:
+        """The dense fallback's decisions so far, as (x dtype, ``DenseChoice``), by dtype then bucket."""
+        return [(dt, c) for (_, dt), c in sorted(self._dense_choices.items(), key=lambda kv: (str(kv[0][1]), kv[0][0]))]
+
     def plan(self, x: torch.Tensor) -> Plan | None:
-        """The plan a call on ``x`` runs (built now if needed), or None where ``fp8ref.linear`` takes
-        the call (see ``forward``)."""
+        """The plan a call on ``x`` runs (built now if needed), or None where ``fp8ref.linear`` or the
+        dense fallback takes the call (see ``forward``)."""
         with torch.no_grad():
             self(x)
+        c = self._dense_choices.get((m_bucket(math.prod(x.shape[:-1])), x.dtype)) if self._dense_on else None
+        if c is not None and c.dense:
+            return None
         plans = self._plans
         if plans is None or type(x) is not torch.Tensor or not x.dim():
             return None
@@ -258,10 +396,20 @@ class Fp8Linear(nn.Module):
             target = fn(torch.empty(0, dtype=self.out_dtype))
             if target.dtype.is_floating_point and target.dtype.itemsize > 1:
                 self.out_dtype = target.dtype
-        return super()._apply(keep_formats, recurse)
+        fresh = self._dense_on and pair_version(self.weight, self.weight_scale) == self._dense_version
+        out = super()._apply(keep_formats, recurse)
+        if fresh:  # the codes and the kept weight moved together: still the same layer
+            self._dense_version = pair_version(self.weight, self.weight_scale)
+        return out
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+        text = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe={self.recipe.name}, backend={self.backend!r}, precision={self.precision!r}")
+        if self.dense_fallback is not None:
+            dense = [f"{str(dt)[6:]} {c.short_str()}" for dt, c in self.dense_decisions() if c.dense]
+            state = (f"dropped: {self._dense_dropped}" if self._dense_dropped is not None
+                     else "dense at " + ", ".join(dense) if dense else "no bucket dense so far")
+            text += f", dense_fallback={self.dense_fallback!r} ({state})"
+        return text
 
 

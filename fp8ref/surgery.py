@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .nn import Fp8Linear
+from .select.dense import check_dense_fallback
 from .spec.schemes import W8A8_FP8, Recipe, get_recipe
 
 __all__ = ["QuantizeSummary", "quantize_model"]
@@ -31,12 +32,41 @@ class QuantizeSummary:
     quantized: list[str] = field(default_factory=list)  #: every name of every layer replaced
     skipped: list[str] = field(default_factory=list)  #: every name of every nn.Linear left as it was
     reasons: dict[str, str] = field(default_factory=dict)  #: why each skipped name was left
+    dense_fallback: str | None = None  #: ``quantize_model``'s argument
+    #: layers that keep their original weight for the dense fallback (each once, however many names)
+    dense_layers: int = 0
+    #: bytes of those kept weights (counted in ``bytes_after``)
+    dense_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self._layers: dict[str, Fp8Linear] = {}  # first name -> layer (not a field: asdict leaves it)
+
+    def dense_decisions(self) -> list[dict]:
+        """The dense fallback's decisions made so far (a layer decides a bucket at its first eager
+        call there), one dict per layer (by its first name), x dtype and M bucket: ``layer``, ``N``,
+        ``K``, ``dtype`` and the fields of its ``fp8ref.select.dense.DenseChoice`` (``bucket``,
+        ``dense``, ``ratio``: FP8's speed over dense's, None when forced, ...)."""
+        out = []
+        for name, mod in self._layers.items():
+            for dt, c in mod.dense_decisions():
+                out.append({"layer": name, "N": mod.out_features, "K": mod.in_features, "dtype": str(dt)[6:],
+                            **c.as_dict()})
+        return out
 
     def __str__(self) -> str:
         ratio = self.bytes_after / self.bytes_before if self.bytes_before else float("nan")
-        return (f"quantized {self.layers} linear layers ({self.parameters:,} weights), skipped "
+        text = (f"quantized {self.layers} linear layers ({self.parameters:,} weights), skipped "
                 f"{len(self.skipped)}; model {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB "
                 f"({ratio:.2f}x)")
+        if self.dense_fallback is not None:
+            made = self.dense_decisions()
+            dense = sorted({(d["N"], d["K"], d["dtype"], d["bucket"]) for d in made if d["dense"]})
+            shapes = ", ".join(f"{n}x{k} {dt} M<={b}" for n, k, dt, b in dense) or "none so far"
+            text += (f"; dense fallback {self.dense_fallback!r}: {self.dense_layers} layers keep their original "
+                     f"weight (+{self.dense_bytes / 2**20:.1f} MiB, counted above), "
+                     f"{sum(d['dense'] for d in made)} of {len(made)} (layer, bucket) decisions run dense "
+                     f"(NxK dtype bucket: {shapes})")
+        return text
 
 
 def _model_bytes(model: nn.Module) -> int:
@@ -137,7 +167,8 @@ def _plan(model: nn.Module, skip: tuple[str, ...], custom: bool) -> tuple[dict[i
 def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tuple[str, ...] | list[str] = ("lm_head",),
                    backend: str = "auto", precision: str = "standard", *,
                    candidates: Sequence[str] | None = None,
-                   weight_check: str | None = None, custom: bool = False) -> QuantizeSummary:
+                   weight_check: str | None = None, custom: bool = False,
+                   dense_fallback: str | None = None) -> QuantizeSummary:
     """Swap every ``nn.Linear`` of ``model`` for an ``Fp8Linear``, in place (weights quantized once).
 
     All or nothing: every layer is quantized first, and the model is changed only when all of
@@ -173,12 +204,18 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
         Also replace ``nn.Linear`` subclasses with their own ``forward``, layers whose
         ``forward`` is replaced on the instance and parametrized layers (their weight is
         quantized as it is now; what their forward or parametrization added is lost).
+    dense_fallback : {None, "auto"}
+        None (default): every call runs FP8. ``"auto"``: each layer keeps its original weight and
+        runs ``F.linear`` on it in the M buckets where its FP8 call measured slower, decided at
+        each bucket's first eager call (``Fp8Linear.from_linear``; outside the W8A8 contract,
+        docs/spec.md). The kept weights cost their memory again (``summary.dense_bytes``, in
+        ``bytes_after``); ``summary.dense_decisions()`` lists the decisions made so far.
 
     Returns
     -------
     QuantizeSummary
         Layers replaced, weights quantized, bytes before and after, names, the reason for each
-        skipped name.
+        skipped name, and the dense fallback's kept bytes and decisions.
 
     Raises
     ------
@@ -198,9 +235,10 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
+    check_dense_fallback(dense_fallback)
     recipe = get_recipe(recipe)
     before = _model_bytes(model)
-    summary = QuantizeSummary(0, 0, before, before)
+    summary = QuantizeSummary(0, 0, before, before, dense_fallback=dense_fallback)
     names, reasons = _plan(model, skip, custom)
     if any(not n for where in names.values() for n in where):
         raise ValueError("quantize_model needs a model that contains nn.Linear layers; for a lone "
@@ -215,7 +253,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
         mod = model.get_submodule(where[0])
         try:
             q = Fp8Linear.from_linear(mod, recipe=recipe, backend=backend, precision=precision,
-                                      candidates=candidates, weight_check=weight_check)
+                                      candidates=candidates, weight_check=weight_check, dense_fallback=dense_fallback)
         except (TypeError, ValueError) as exc:
             kind = TypeError if isinstance(exc, TypeError) else ValueError
             raise kind(f"quantize_model: layer {where[0]!r} cannot be quantized ({exc}); the model is left "
@@ -231,5 +269,10 @@ def quantize_model(model: nn.Module, recipe: Recipe | str = W8A8_FP8, skip: tupl
             summary.quantized.append(name)
         summary.layers += 1
         summary.parameters += mod.weight.numel()
+        summary._layers[names[key][0]] = q
+        kept = q._buffers.get("dense_weight")
+        if kept is not None:
+            summary.dense_layers += 1
+            summary.dense_bytes += kept.numel() * kept.element_size()
     summary.bytes_after = _model_bytes(model)
     return summary

@@ -19,6 +19,11 @@ the step (the bf16 ``F.linear`` of each ``nn.Linear``; each ``Fp8Linear`` as cal
 backend's ``linear`` on the prepared weight: the kernel without fp8ref's per-call path). A step's
 time minus its layers' is the time a token spends outside the GEMMs (attention, norms, embeddings,
 Python of the model).
+
+``dense_fallback="auto"`` quantizes with ``quantize_model(..., dense_fallback="auto")``: each layer
+decides per M bucket, at its first call there, whether to run ``F.linear`` on its kept original
+weight instead (``fp8ref.select.dense``); the report records the decisions and the kept memory.
+The compiled pairs run FP8 throughout (the custom op has no dense path).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import torch
 from torch import nn
 
 from ..nn import Fp8Linear
-from ..surgery import quantize_model
+from ..select.keys import m_bucket
+from ..surgery import QuantizeSummary, quantize_model
 from .load import mark, unreliable_reason
 from .timing import paired
 
@@ -124,6 +130,12 @@ def _kernel_call(mod: Fp8Linear, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: p.backend.linear(x2, p.prepared, bias, p.out_dtype, p.scheme)
 
 
+def _runs_dense(mod: Fp8Linear, x: torch.Tensor) -> bool:
+    """Whether ``mod``'s call on ``x`` runs its dense fallback (decided dense for x's bucket and dtype)."""
+    b = m_bucket(x.numel() // max(x.shape[-1], 1))
+    return any(c.dense and dt == x.dtype and c.bucket == b for dt, c in mod.dense_decisions())
+
+
 def _breakdown(model: nn.Module, step: Callable[[], Any], tokens: int, repeat: int, budget_s: float) -> dict:
     """Seconds per decode token: the step, its linear layers (and their kernels alone), the rest."""
     with torch.no_grad():
@@ -136,7 +148,10 @@ def _breakdown(model: nn.Module, step: Callable[[], Any], tokens: int, repeat: i
         step_s, layers_s = p.base.median_s / tokens, p.timing.median_s
         out = {"step_s": step_s, "linear_layers": len(calls), "linear_s": layers_s,
                "outside_linear_s": step_s - layers_s}
-        fp8 = [(m, x) for m, x in calls if isinstance(m, Fp8Linear)]
+        fp8 = [(m, x) for m, x in calls if isinstance(m, Fp8Linear) and not _runs_dense(m, x)]
+        dense = sum(isinstance(m, Fp8Linear) and _runs_dense(m, x) for m, x in calls)
+        if dense:
+            out["dense_layers"] = dense
         if fp8:
             kernels = [_kernel_call(m, x) for m, x in fp8]
             p = paired(lambda: [m(x) for m, x in fp8], lambda: [k() for k in kernels], repeat=repeat,
@@ -152,19 +167,28 @@ def _pair(base: Callable[[], Any], fn: Callable[[], Any], units: int, repeat: in
             "ratio": p.ratio, "rounds": p.rounds}
 
 
+def _dense_report(summary: QuantizeSummary) -> dict:
+    """The dense fallback's state after a run: kept layers and bytes, and the decisions made."""
+    return {"mode": summary.dense_fallback, "layers": summary.dense_layers, "extra_bytes": summary.dense_bytes,
+            "decisions": summary.dense_decisions()}
+
+
 def bench_model(name: str, *, layers: int = 1, prompt: int = 128, tokens: int = 16, compiled: bool = False,
-                repeat: int = 5, budget_s: float = 30.0, log: Callable[[str], None] = lambda s: None) -> dict:
+                repeat: int = 5, budget_s: float = 30.0, dense_fallback: str | None = None,
+                log: Callable[[str], None] = lambda s: None) -> dict:
     """Decode and prefill tokens/s of ``name`` in bf16 and after ``quantize_model``, paired.
 
     Returns a dict with ``model``, ``linear_layers`` (quantized / all), ``eager`` (and ``compiled``)
     each holding ``decode`` and ``prefill`` (``bf16_tokens_per_s``, ``fp8_tokens_per_s``,
     ``ratio`` = fp8 tokens/s over bf16, the median of per-round ratios), and ``breakdown``
     (``bf16``, ``fp8``: seconds per decode token in the step, its linear layers, outside them).
+    With ``dense_fallback="auto"`` (``quantize_model``'s argument) also ``dense_fallback``: the
+    kept layers and bytes and every decision made during the run (``QuantizeSummary.dense_decisions``).
     """
     t0 = time.perf_counter()
     base = build_model(name, layers)
     fp8 = copy.deepcopy(base)
-    summary = quantize_model(fp8)
+    summary = quantize_model(fp8, dense_fallback=dense_fallback)
     log(f"  {name}: {summary}")
     vocab = base.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -193,6 +217,9 @@ def bench_model(name: str, *, layers: int = 1, prompt: int = 128, tokens: int = 
         if mode == "eager":
             res["breakdown"] = {"bf16": _breakdown(b, db, tokens, repeat, budget_s / 2),
                                 "fp8": _breakdown(f, df, tokens, repeat, budget_s / 2)}
+    if dense_fallback is not None:
+        res["dense_fallback"] = _dense_report(summary)
+        log(f"  {name}: {summary}")
     res["seconds"] = time.perf_counter() - t0
     return res
 
@@ -244,6 +271,36 @@ def format_model_report(res: dict) -> str:
             if "fp8_kernels_s" in b:
                 extra = (f"; of the {b['fp8_layers']} Fp8Linear calls {1e3 * b['fp8_layers_s']:.2f} ms, their "
                          f"backends' kernels alone {1e3 * b['fp8_kernels_s']:.2f} ms")
+            if b.get("dense_layers"):
+                extra += f"; {b['dense_layers']} Fp8Linear calls ran dense"
             lines.append(f"  {k:5} step {1e3 * b['step_s']:.2f}, {b['linear_layers']} linear layers "
                          f"{1e3 * b['linear_s']:.2f}, outside them {1e3 * b['outside_linear_s']:.2f}{extra}")
+    for r in res["models"]:
+        if r.get("dense_fallback"):
+            lines.append(format_dense(r["model"], r["dense_fallback"]))
     return "\n".join(lines)
+
+
+def format_dense(model: str, d: dict) -> str:
+    """The dense fallback's line of the report: kept layers and memory, then each (shape, dtype,
+    bucket) decided, with FP8's speed over dense's (each shape's first timed layer's).
+
+    Examples
+    --------
+    >>> from fp8ref.bench.model import format_dense
+    >>> dec = [{"N": 8, "K": 4, "dtype": "bfloat16", "bucket": 128, "dense": True, "ratio": 0.5},
+    ...        {"N": 8, "K": 4, "dtype": "bfloat16", "bucket": 1, "dense": False, "ratio": 2.0}]
+    >>> print(format_dense("m", {"mode": "auto", "layers": 2, "extra_bytes": 2**20, "decisions": dec}))
+    m: dense fallback 'auto': 2 layers keep their original weight (+1.0 MiB); by NxK dtype and M bucket:
+      8x4 bfloat16 M<=1: fp8 (fp8/dense speed 2.00); 8x4 bfloat16 M<=128: dense (fp8/dense speed 0.50)
+    """
+    seen: dict[tuple, dict] = {}
+    for x in d["decisions"]:
+        seen.setdefault((x["N"], x["K"], x["dtype"], x["bucket"]), x)
+    parts = []
+    for (n, k, dt, b), x in sorted(seen.items()):
+        why = "forced" if x["ratio"] is None else f"fp8/dense speed {x['ratio']:.2f}"
+        parts.append(f"{n}x{k} {dt} M<={b}: {'dense' if x['dense'] else 'fp8'} ({why})")
+    return (f"{model}: dense fallback {d['mode']!r}: {d['layers']} layers keep their original weight "
+            f"(+{d['extra_bytes'] / 2**20:.1f} MiB); by NxK dtype and M bucket:\n  "
+            + ("; ".join(parts) or "none decided"))

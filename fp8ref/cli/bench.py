@@ -106,6 +106,10 @@ def add_parser(sub) -> None:
                    help="--model: greedy tokens decoded per timed call; default 16")
     p.add_argument("--compile", action="store_true",
                    help="--model: also time both models under torch.compile (minutes of compilation on a small CPU)")
+    p.add_argument("--dense-fallback", choices=("auto",), default=None,
+                   help="--model: quantize with quantize_model(..., dense_fallback='auto'): each layer keeps its "
+                        "original weight and runs it in the M buckets where FP8 measured slower (the report "
+                        "lists the decisions); default: FP8 throughout")
     p.set_defaults(func=_bench)
 
 
@@ -142,6 +146,8 @@ def _command_line(args: argparse.Namespace) -> str:
     if args.model:
         parts += ["--model", ",".join(args.model), "--layers", str(args.layers), "--prompt", str(args.prompt),
                   "--tokens", str(args.tokens)] + (["--compile"] if args.compile else [])
+        if args.dense_fallback:
+            parts += ["--dense-fallback", args.dense_fallback]
     if args.json:
         parts += ["--json", str(args.json)]
     return " ".join(parts)
@@ -198,7 +204,7 @@ def _bench_models(args: argparse.Namespace, threads: int) -> int:
         if args.device != "cpu":
             raise ValueError("--model runs on the CPU only (device 'cpu')")
         rows = [bench_model(name, layers=args.layers, prompt=args.prompt, tokens=args.tokens, compiled=args.compile,
-                            log=log) for name in args.model]
+                            dense_fallback=args.dense_fallback, log=log) for name in args.model]
     except (RuntimeError, ValueError, ImportError) as exc:
         print(f"fp8ref bench: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ never a backend module or anything above it; ``fp8ref.api`` (``fp8ref.linear``) 
 - ``trust``: whose cache files are read, and the seal on a probe's verdict (docs/selection.md,
   "The cache's trust model");
 - ``selector``: candidates, the selection run, ``select`` and ``resolve``;
+- ``dense``: the dense fallback's decision (``dense_fallback="auto"``): whether a layer's call
+  at an M bucket runs its original weight instead of FP8, by a paired timing, kept in memory;
 - ``choose``: ``choose_backend``, the selection asked with tensors or shapes. Calling the package
   calls it: ``fp8ref.select(x, w)`` (the module object is callable, so the obvious name works
   and ``from fp8ref.select import ...`` keeps working).

@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import _env
 from .._io import atomic_write
-from . import trust
+from . import dense, trust
 from .decision import Decision
 from .keys import fp8ref_version
 
@@ -65,9 +65,11 @@ def cache_file() -> Path:
 
 
 def clear_cache(*, memory: bool = True, disk: bool = False, failures: bool = True) -> None:
-    """Forget decisions in memory (and on disk with ``disk=True``) and run-time failure marks."""
+    """Forget decisions in memory (and on disk with ``disk=True``), the dense fallback's timed
+    decisions (``dense``) and run-time failure marks."""
     if memory:
         _MEMORY.clear()
+        dense.forget()
     if failures:
         _FAILED.clear()
         _WARNED.clear()
