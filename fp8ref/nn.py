@@ -258,7 +258,11 @@ class Fp8Linear(nn.Module):
         if plans is None:
             plans = self._new_plans()
         buffers = self._buffers
-        y = plans.run(x, buffers["weight"], buffers["weight_scale"], self.bias)
+        # a bias parameter from its table: nn.Module.__getattr__ is the slow lookup (docs/performance.md)
+        # (a bias of None, or a plain tensor set later, is an instance attribute: a fast lookup)
+        params = self._parameters
+        y = plans.run(x, buffers["weight"], buffers["weight_scale"],
+                      params["bias"] if "bias" in params else self.bias)
         if y is not None:
             return y
         return linear(x, self.quantized_weight(), self.bias, recipe=self.recipe, backend=self.backend,
