@@ -106,7 +106,8 @@ def _coverage(cert: Certificate) -> str:
 #: Where the loader rows are (a page of their own: ``python -m fp8ref.peers.loaders``).
 LOADERS_NOTE = ("How weights are *loaded* -- fused partitions, tensor-parallel shards, reloads, source dtypes "
                 "(docs/spec.md §8) -- is certified separately by `fp8ref.conformance.check_loader`: "
-                "docs/certified-loaders.md (fp8ref's own loading paths and vLLM's FP8 checkpoint loading).")
+                "docs/certified-loaders.md (fp8ref's own loading paths, vLLM's FP8 checkpoint loading and online "
+                "quantization, SGLang's FP8 loading, offline and online).")
 #: Where the mixture-of-experts rows are (a page of their own: ``python -m fp8ref.peers.moe_certify``).
 MOE_NOTE = ("FP8 mixture-of-experts layers (docs/spec.md §7) are certified by `fp8ref.conformance.moe.check_moe`: "
             "docs/certified-moe.md (SGLang's and vLLM's Triton `fused_moe` FP8 paths).")
