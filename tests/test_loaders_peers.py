@@ -39,6 +39,22 @@ def test_absent_sglang_is_a_decline_with_its_reason():
     assert "| declined: sglang is not installed |" in render(certs)
 
 
+def test_a_ledger_failure_renders_as_a_known_failure_with_its_counterexample():
+    from fp8ref.conformance.report import FAIL, PASS, ContractResult, Report, apply_known_failures
+    from fp8ref.peers.loaders import LoaderRow
+
+    rep = Report("vllm-fp8-load-row-tensor", "ci", 0)
+    rep.results = [ContractResult("load.partitions", "bound", PASS, op="load", examples=3),
+                   ContractResult("load.source_dtypes", "bound", FAIL, op="load", examples=2,
+                                  counterexample="load [32]x100", message="142 elements outside")]
+    rep.results[1].coverage = {"declined": {"supports: one partition": 8}}
+    apply_known_failures(rep, KNOWN_FAILURES)
+    text = render([LoaderRow(rep.backend, "vLLM", "0.33.0", "entry", rep)])
+    assert "| **FAIL** (known, ledger) | load.source_dtypes (xfail) |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| load.source_dtypes | xfail"))
+    assert "known failure" in row and "load [32]x100" in row and "declined" not in row
+
+
 def _problem(loader, parts, k, dtype=torch.float32, tp=1, rank=0, families=None, exponents=None):
     lay = LoadLayout(tuple(parts), k, loader.scheme, tp_size=tp, tp_rank=rank, offline=loader.offline)
     n = len(parts)

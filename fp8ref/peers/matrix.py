@@ -46,6 +46,9 @@ depends on numpy, packaging and openvino-telemetry only, not on torch) runs on i
 or AMX). jax 0.10.2 is the newest
 release for Python 3.11. Peers whose package is missing are listed as *not run here* with the exact
 missing piece.
+SGLang's loader rows (docs/certified-loaders.md) also need `pip install -c constraints.txt --no-deps
+sentencepiece` (its parameters' weight loaders import its model-loader package, which reaches a
+tokenizer config).
 
 Regenerate this page with `fp8ref certify` (about 20 minutes on 2 cores: the Triton kernels run in
 the interpreter, tinygrad in its Python emulator); `fp8ref certify --peer NAME --only CONTRACT`

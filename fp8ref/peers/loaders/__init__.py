@@ -105,8 +105,10 @@ def _md(s: str | None) -> str:
 NOT_WRAPPED = ("Not wrapped: SGLang's and vLLM's CUTLASS-only paths (per-channel online weights through "
                "`per_token_group_quant_fp8`, SGLang's `convert_to_channelwise` for per-tensor checkpoints), which "
                "the CUDA capability check selects; their weight quantizers alone are certified in docs/certified.md "
-               "(`sglang-online-w8a8-cutlass`, `vllm-online-fp8-ptpc`). SGLang's weight update of a per-tensor or "
-               "online layer is model-level (`QuantizedRLModelLoader`): those rows decline `load.reload_idempotent` "
+               "(`sglang-online-w8a8-cutlass`, `vllm-online-fp8-ptpc`). SGLang's per-tensor and online methods "
+               "replace the weight by a transposed FP8 `Parameter` without `weight_loader` and do not restore it, "
+               "so its weight update (`update_weights_from_disk`) cannot load them again (its reload for them is "
+               "`QuantizedRLModelLoader`, model-level, not wrapped): those rows decline `load.reload_idempotent` "
                "and read `untested` where nothing else fails. vLLM's online per-tensor rows decline TP > 1: vLLM "
                "agrees one scale over the TP group (the whole weight's amax, `amax_for_tp_weight_quant`), which "
                "the Loading rule's online expectation (each rank slice's own scale) does not admit. Known failures "
@@ -156,7 +158,7 @@ def render(certs: Sequence[LoaderRow]) -> str:
             if r.status == XFAIL:
                 detail = f"{r.note} -- {detail}"
             declined = r.coverage.get("declined", {}) if r.coverage else {}
-            if not r.failed and declined:
+            if not r.failed and r.status != XFAIL and declined:
                 detail = "declined: " + "; ".join(f"{k} (x{v})" for k, v in list(declined.items())[:2])
             out.append(f"| {r.contract} | {r.status} | {r.examples} | {r.declined} | {r.examples_to_failure or ''} | "
                        f"{ratio} | {_md(detail[:700])} |")

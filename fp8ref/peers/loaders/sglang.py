@@ -43,11 +43,14 @@ fp32 sources, the contracts' default draw, build a float32 layer: the configs li
 activations, but the weight path (``input_to_float8``: amax, ``x.float() * (448 / amax)``) does not
 depend on it.
 
-Reloads (``load.reload_idempotent``): block layers keep their parameter objects through
-post-processing (``layer.weight.data = ...``), so a second load goes through the same weight loaders;
-the per-tensor and online methods replace ``layer.weight`` by a transposed FP8 ``Parameter`` without a
-``weight_loader``, and SGLang's weight update for them is model-level (``QuantizedRLModelLoader`` in
-``model_loader/loader.py`` records and rebinds the loaders): those reloads are declined.
+Reloads (``load.reload_idempotent``) follow SGLang's weight update (``update_weights_from_disk``:
+``restore_weights_before_loading`` on each method, the model's ``load_weights``, then
+``process_weights_after_loading``). Block layers keep their parameter objects through
+post-processing (``layer.weight.data = ...``), so the second load goes through the same weight
+loaders. The per-tensor and online methods replace ``layer.weight`` by a transposed FP8 ``Parameter``
+without a ``weight_loader`` and do not restore it (the base method's no-op): a model's
+``load_weights`` then raises (``param.weight_loader``), so these reloads are declined with that reason
+(SGLang reloads such layers with ``QuantizedRLModelLoader``, model-level, not wrapped).
 """
 
 from __future__ import annotations
@@ -180,9 +183,13 @@ class SGLangFp8Loader(WeightLoader):
 
     def load(self, state, layout, source):
         state.loads += 1
-        if state.loads > 1 and self.mode != "block":
-            raise Declined("SGLang's weight update of a per-tensor / online FP8 layer is model-level "
-                           "(QuantizedRLModelLoader rebinds the loaders process_weights_after_loading dropped)")
+        if state.loads > 1:  # SGLang's weight update (update_weights_from_disk) restores, then loads again
+            state.method.restore_weights_before_loading(state.layer)
+            if not hasattr(state.layer.weight, "weight_loader"):
+                raise Declined("SGLang's weight update reaches a weight that process_weights_after_loading replaced "
+                               "by a transposed FP8 Parameter without weight_loader (restore_weights_before_loading "
+                               "is a no-op here): update_weights_from_disk raises; its reload of these layers is "
+                               "QuantizedRLModelLoader (model-level)")
         if state.layer is None:
             dtype = source.weights[0].dtype if not self.offline else torch.bfloat16
             state.layer = self._build(state, layout, dtype)
