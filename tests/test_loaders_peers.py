@@ -66,7 +66,7 @@ needs_vllm = pytest.mark.skipif(not _installed("vllm"), reason="needs vllm (docs
 
 
 @needs_sglang
-@pytest.mark.parametrize("mode", ["block", "online", "w8a8"])
+@pytest.mark.parametrize("mode", ["block", "tensor-channelwise", "online", "w8a8"])
 def test_sglang_loaders_pass_a_tp2_fp16_layout(mode):
     from fp8ref.peers.loaders.sglang import SGLangFp8Loader, available
 

@@ -443,7 +443,8 @@ KNOWN_FAILURES += [
                    test=_F + "test_vllm_fp8_loading.py::test_requantize_dequantizes_without_an_fp16_rounding",
                    **_REQUANT),
     *_peer_entries("sglang-requantize-fp16-dequantize", "sglang-fp8-load-merged-tensor", _ALL_LOAD[1:],
-                   applies="sglang 0.5.23 per-tensor FP8 checkpoints without CUTLASS (fused layers)",
+                   applies="sglang 0.5.23 per-tensor FP8 checkpoints off the CUTLASS channelwise path (SM120, ROCm "
+                           "without aiter per-token, CUDA before SM89, non-CUDA devices; fused layers)",
                    test=_F + "test_sglang_fp8_loading.py::test_requantize_dequantizes_without_an_fp16_rounding",
                    **_REQUANT),
     *_peer_entries(

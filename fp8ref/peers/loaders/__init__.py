@@ -102,10 +102,12 @@ def _md(s: str | None) -> str:
 
 
 #: What the rows leave out, and why.
-NOT_WRAPPED = ("Not wrapped: SGLang's and vLLM's CUTLASS-only paths (per-channel online weights through "
-               "`per_token_group_quant_fp8`, SGLang's `convert_to_channelwise` for per-tensor checkpoints), which "
+NOT_WRAPPED = ("Not wrapped: SGLang's and vLLM's per-channel online paths (`per_token_group_quant_fp8`, a "
+               "Triton kernel whose FP8 cast the CPU interpreter gets wrong, finding 9; vLLM's `fp8_ptpc`), which "
                "the CUDA capability check selects; their weight quantizers alone are certified in docs/certified.md "
-               "(`sglang-online-w8a8-cutlass`, `vllm-online-fp8-ptpc`). SGLang's per-tensor and online methods "
+               "(`sglang-online-w8a8-cutlass`, `vllm-online-fp8-ptpc`). SGLang's per-tensor checkpoints are wrapped "
+               "on both paths: `requantize_with_max_scale` (`-tensor` rows) and CUTLASS's `convert_to_channelwise` "
+               "(`-tensor-channelwise` rows). SGLang's per-tensor and online methods "
                "replace the weight by a transposed FP8 `Parameter` without `weight_loader` and do not restore it, "
                "so its weight update (`update_weights_from_disk`) cannot load them again (its reload for them is "
                "`QuantizedRLModelLoader`, model-level, not wrapped): those rows decline `load.reload_idempotent` "

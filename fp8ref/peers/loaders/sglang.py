@@ -21,9 +21,12 @@ Read from ``sglang/srt/layers/linear.py``, ``parameter.py``, ``quantization/fp8.
   ``Fp8LinearMethod.validate_block_quant_shapes`` refuses (ValueError at construction) a fused layer
   whose per-rank partition sizes are not multiples of 128, and a row-parallel K shard that is not:
   those layouts are declined with SGLang's reason.
-* per-tensor: ``requantize_with_max_scale`` dequantizes each partition as ``weight.to(float16) *
+* per-tensor (``cutlass_fp8_supported()`` False: every non-CUDA device, CUDA before SM89):
+  ``requantize_with_max_scale`` dequantizes each partition as ``weight.to(float16) *
   scale`` (``per_tensor_dequantize``) and requantizes with ``scaled_fp8_quant``; the weight is stored
-  transposed ``[K, N]``.
+  transposed ``[K, N]``. With CUTLASS (SM89+; the ``tensor-channelwise`` rows set the method's
+  ``cutlass_fp8_supported``): ``convert_to_channelwise`` expands the per-partition scales to one per
+  output row ``[N, 1]``, codes untouched.
 
 What runs by hand on a CPU, and why: the linear module resolves its TP group from the runtime's
 published ``parallel`` namespace (``get_parallel()``), which exists only in a running server; the
@@ -75,7 +78,7 @@ TENSOR = QuantScheme(granularity="tensor")
 #: ``input_to_float8``'s scale rule, declared as ``sglang-online-w8a8`` declares it (docs/certified.md):
 #: amax floored at 1e-12, multiplier 448 / amax evaluated as 448 * (1 / amax), codes x * m, scale 1 / m.
 ONLINE = TENSOR.with_(amax_floor=1e-12, reciprocal_scale=True, multiplier_by_reciprocal=True, multiply_codes=True)
-MODES = ("block", "tensor", "online", "w8a8")
+MODES = ("block", "tensor", "tensor-channelwise", "online", "w8a8")
 _LIN = "sglang.srt.layers.linear"
 
 
@@ -126,12 +129,14 @@ class SGLangFp8Loader(WeightLoader):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.kind, self.mode = kind, mode
-        self.offline = mode in ("block", "tensor")
-        self.scheme = {"block": BLOCK, "tensor": TENSOR}.get(mode, ONLINE)
+        self.offline = mode in ("block", "tensor", "tensor-channelwise")
+        self.scheme = {"block": BLOCK, "tensor": TENSOR, "tensor-channelwise": TENSOR}.get(mode, ONLINE)
         self.source_dtypes = (torch.float32, torch.float16, torch.bfloat16)
         layer = {"merged": "MergedColumnParallelLinear", "qkv": "QKVParallelLinear"}[kind]
         cfg = {"block": "Fp8Config(is_checkpoint_fp8_serialized, weight_block_size=[128, 128])",
                "tensor": "Fp8Config(is_checkpoint_fp8_serialized, per-tensor)",
+               "tensor-channelwise": "Fp8Config(is_checkpoint_fp8_serialized, per-tensor; CUTLASS: "
+                                     "convert_to_channelwise)",
                "online": "Fp8Config(fp16/bf16 checkpoint)",
                "w8a8": "W8A8Fp8Config(fp16/bf16 checkpoint)"}[mode]
         how = "W8A8Fp8LinearMethod" if mode == "w8a8" else "Fp8LinearMethod"
@@ -160,7 +165,8 @@ class SGLangFp8Loader(WeightLoader):
             cfg = Fp8Config(is_checkpoint_fp8_serialized=self.offline, activation_scheme="dynamic",
                             weight_block_size=[128, 128] if self.mode == "block" else None)
             method = Fp8LinearMethod(cfg)
-        method.cutlass_fp8_supported = False  # what cutlass_fp8_supported() answers off CUDA
+        # what cutlass_fp8_supported() answers off CUDA; True for the SM89+ path of per-tensor checkpoints
+        method.cutlass_fp8_supported = self.mode == "tensor-channelwise"
         return cfg, method
 
     def create(self, layout):
@@ -217,7 +223,12 @@ class SGLangFp8Loader(WeightLoader):
         w = layer.weight.data
         if self.mode == "block":
             return Loaded(w.contiguous(), layer.weight_scale_inv.data.to(torch.float32).clone())
-        return Loaded(w.t().contiguous(), layer.weight_scale.data.to(torch.float32).reshape(-1).clone())
+        s = layer.weight_scale.data.to(torch.float32).reshape(-1).clone()
+        if self.mode == "tensor-channelwise":  # one scale per output row ([N, 1]), its partition's
+            n, k = layout.shape
+            return Loaded(w.t().contiguous(), s, scale_rows=torch.arange(n),
+                          scale_cols=torch.zeros(k, dtype=torch.long))
+        return Loaded(w.t().contiguous(), s)
 
 
 def loaders() -> list[WeightLoader]:
