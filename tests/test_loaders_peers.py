@@ -95,3 +95,25 @@ def test_vllm_online_zero_weight_scale_is_finding_41():
     with pytest.raises(ContractViolation, match="scale 0.0"):
         check_load_values(loader, _problem(loader, (16, 16), 16, torch.bfloat16, families=("zero", "zero")))
     assert check_load_values(loader, _problem(loader, (64, 64), 128, torch.bfloat16, exponents=(-3, 3))) <= 1
+
+
+@needs_vllm
+def test_vllm_online_per_tensor_tp2_agrees_the_scale_over_ranks():
+    """At TP 2 vLLM's fp8_per_tensor all-reduces the amax: rank 1 holds the whole weight's scale, not
+    its slice's (the row declines TP > 1 for this, docs/spec.md §8.2); the block method does not."""
+    from fp8ref.peers.loaders.vllm_online import VLLMOnlineFp8Loader
+
+    loader = VLLMOnlineFp8Loader("merged", block=False)
+    p = _problem(loader, (64, 64), 32, torch.bfloat16, tp=2, rank=1, exponents=(0, 0))
+    assert loader.supports(p.layout, p.dtype) is not None
+    weights = p.weights()
+    weights[0][0, 0] = 1000.0  # rank 0's rows hold the outlier
+    state = loader.create(p.layout)
+    loader.load(state, p.layout, type("S", (), {"weights": weights})())
+    loader.process(state, p.layout)
+    held = loader.read(state, p.layout)
+    # the collective's amax (rank 0's outlier), not rank 1's own: s = amax / 448 in fp32
+    assert float(held.scale) == float(torch.tensor(1000.0) / torch.tensor(448.0))
+    block = VLLMOnlineFp8Loader("merged", block=True)
+    q = _problem(block, (256, 128), 128, torch.bfloat16, tp=2, rank=1, exponents=(-2, 2))
+    assert check_load_values(block, q) <= 1
