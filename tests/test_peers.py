@@ -194,12 +194,17 @@ def test_reference_quantizer_is_a_peer_of_itself():
 
 def test_every_peer_ledger_entry_names_an_existing_reproduction():
     from fp8ref.cli.conformance import load_known_failures
+    from fp8ref.conformance import LOAD_CONTRACT_NAMES
+    from fp8ref.peers.loaders import loader_names
 
+    loaders = loader_names()
     for e in load_known_failures(str(ROOT / "properties" / "known_failures.py")):
         path, _, func = e["test"].partition("::")
         assert (ROOT / path).exists(), e["id"]
         assert f"def {func}(" in (ROOT / path).read_text(), e["id"]
-        if e.get("property"):
+        if e.get("property", "").startswith("load."):  # a loader finding: a loader row and a loader contract
+            assert e["backend"] in loaders and e["property"] in LOAD_CONTRACT_NAMES, e["id"]
+        elif e.get("property"):
             assert e["backend"] in peer_names() and e["upstream"] == (e["link"] or ""), e["id"]
 
 

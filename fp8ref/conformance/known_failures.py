@@ -413,6 +413,52 @@ KNOWN_FAILURES += [
         test=_F + "test_keras_float8.py::test_bf16_input_is_rounded_once")),
 ]
 
+#: Loader findings (docs/certified-loaders.md): ``backend`` is the loader row's name, ``property`` a
+#: loader contract; ``python -m fp8ref.peers.loaders`` applies them to ``check_loader``'s reports.
+_ALL_LOAD = ("load.partitions", "load.tp_shards", "load.reload_idempotent", "load.source_dtypes",
+             "load.no_uninitialised")
+_CEIL = dict(
+    applies="vllm 0.33.0 block-quantized (weight_block_size [128, 128]) fused layers whose partitions are not "
+            "multiples of 128 rows",
+    what="weight_scale_inv has ceil(sum(N_p) / 128) rows and partition p's scale rows are written at "
+         "ceil(offset_p / 128) (adjust_block_scale_shard): later partitions overwrite earlier rows, rows read a "
+         "neighbour's scale; [64, 64] raises at load",
+    link=None, reason="the class of vllm#52997, vllm#52915, vllm-ascend#15346 (cited by issue 41, not re-verified)",
+    test=_F + "test_vllm_fp8_loading.py::test_partitions_not_multiples_of_the_block_get_their_own_scale_rows")
+_REQUANT = dict(
+    what="requantize_with_max_scale dequantizes each partition as weight.to(float16) * scale: a rounding to fp16 "
+         "between the checkpoint's codes and the requantized ones (1.001x one requantization's bound on normal "
+         "weights, more near 1e-7; Inf above 65504)",
+    link=None, reason="no upstream report found; per_tensor_dequantize casts the codes to fp16 and a 0-dim fp32 "
+                      "scale keeps fp16")
+KNOWN_FAILURES += [
+    *(entry for name in ("vllm-fp8-load-merged-block", "vllm-fp8-load-qkv-block") for entry in _peer_entries(
+        f"vllm-block-scale-ceil-offset-{name}", name, _ALL_LOAD, **_CEIL)),
+    *_peer_entries("vllm-requantize-fp16-dequantize-merged", "vllm-fp8-load-merged-tensor", _ALL_LOAD[1:],
+                   applies="vllm 0.33.0 per-tensor FP8 checkpoints (fused layers)",
+                   test=_F + "test_vllm_fp8_loading.py::test_requantize_dequantizes_without_an_fp16_rounding",
+                   **_REQUANT),
+    *_peer_entries("vllm-requantize-fp16-dequantize-row", "vllm-fp8-load-row-tensor", ("load.source_dtypes",),
+                   applies="vllm 0.33.0 per-tensor FP8 checkpoints (one partition, weights near 1e-7)",
+                   test=_F + "test_vllm_fp8_loading.py::test_requantize_dequantizes_without_an_fp16_rounding",
+                   **_REQUANT),
+    *_peer_entries("sglang-requantize-fp16-dequantize", "sglang-fp8-load-merged-tensor", _ALL_LOAD[1:],
+                   applies="sglang 0.5.23 per-tensor FP8 checkpoints off the CUTLASS channelwise path (SM120, ROCm "
+                           "without aiter per-token, CUDA before SM89, non-CUDA devices; fused layers)",
+                   test=_F + "test_sglang_fp8_loading.py::test_requantize_dequantizes_without_an_fp16_rounding",
+                   **_REQUANT),
+    *_peer_entries(
+        "vllm-online-per-tensor-zero-scale", "vllm-online-fp8-load-merged-tensor", ("load.source_dtypes",),
+        applies="vllm 0.33.0 quantization='fp8_per_tensor' on an fp16/bf16 checkpoint, an all-zero (fused) weight",
+        what="s = amax / 448 with no floor: an all-zero weight stores scale 0 (codes 448: the static quantizer's "
+             "0 * (1 / 0) = NaN clamps to 448 through fminf); it dequantizes to 0, but the stored scale is not "
+             "positive",
+        link=None, reason="no upstream report found; _fp8_scale has no floor (the per-channel path floors at "
+                          "1 / (448 * 512), per_block_cast_to_fp8 at 1e-4)",
+        test=_F + "test_vllm_fp8_loading.py::test_online_per_tensor_scale_of_an_all_zero_weight_is_positive"),
+]
+
+
 def known_failure(id: str) -> dict:
     """The ledger entry called ``id`` (KeyError listing the ids otherwise)."""
     for entry in KNOWN_FAILURES:

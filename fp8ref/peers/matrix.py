@@ -46,6 +46,9 @@ depends on numpy, packaging and openvino-telemetry only, not on torch) runs on i
 or AMX). jax 0.10.2 is the newest
 release for Python 3.11. Peers whose package is missing are listed as *not run here* with the exact
 missing piece.
+SGLang's loader rows (docs/certified-loaders.md) also need `pip install -c constraints.txt --no-deps
+sentencepiece` (its parameters' weight loaders import its model-loader package, which reaches a
+tokenizer config).
 
 Regenerate this page with `fp8ref certify` (about 20 minutes on 2 cores: the Triton kernels run in
 the interpreter, tinygrad in its Python emulator); `fp8ref certify --peer NAME --only CONTRACT`
@@ -106,7 +109,8 @@ def _coverage(cert: Certificate) -> str:
 #: Where the loader rows are (a page of their own: ``python -m fp8ref.peers.loaders``).
 LOADERS_NOTE = ("How weights are *loaded* -- fused partitions, tensor-parallel shards, reloads, source dtypes "
                 "(docs/spec.md §8) -- is certified separately by `fp8ref.conformance.check_loader`: "
-                "docs/certified-loaders.md (fp8ref's own loading paths and vLLM's FP8 checkpoint loading).")
+                "docs/certified-loaders.md (fp8ref's own loading paths, vLLM's FP8 checkpoint loading and online "
+                "quantization, SGLang's FP8 loading, offline and online).")
 #: Where the mixture-of-experts rows are (a page of their own: ``python -m fp8ref.peers.moe_certify``).
 MOE_NOTE = ("FP8 mixture-of-experts layers (docs/spec.md §7) are certified by `fp8ref.conformance.moe.check_moe`: "
             "docs/certified-moe.md (SGLang's and vLLM's Triton `fused_moe` FP8 paths).")

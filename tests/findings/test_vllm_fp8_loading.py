@@ -12,6 +12,10 @@
    ``tensor.to(torch.float16) * inv_scale``, a 0-dim scale keeps fp16): a third rounding between
    the checkpoint's codes and the requantized ones, off by more than one requantization where the
    dequantized weight is below fp16's normal range (|w| < 6.1e-5) and infinite above 65504.
+3. Online per-tensor quantization (``quantization="fp8_per_tensor"``, ``online/fp8.py``
+   ``Fp8PerTensorOnlineLinearMethod``) takes ``s = amax / 448`` with no floor: an all-zero weight
+   gets scale 0, and the static quantizer's ``x * (1 / s)`` = NaN clamps to code 448 (``fminf``).
+   448 x 0 dequantizes to 0, but a stored scale of 0 breaks any consumer that divides by it.
 """
 
 import importlib.util
@@ -69,6 +73,16 @@ def test_requantize_dequantize_does_not_overflow():
     code = torch.tensor([[448.0]]).to(torch.float8_e4m3fn)
     dq = per_tensor_dequantize(code, torch.tensor(256.0))  # a weight of 114688: finite in bf16 and fp32
     assert bool(torch.isfinite(dq).all()), f"dequantized {float(dq[0, 0])}"
+
+
+@pytest.mark.xfail(strict=True, reason="vllm-online-per-tensor-zero-scale: no upstream report found")
+def test_online_per_tensor_scale_of_an_all_zero_weight_is_positive():
+    from vllm.model_executor.layers.quantization.online.fp8 import _fp8_scale
+    from vllm.model_executor.layers.quantization.utils.quant_utils import weight_amax
+
+    weight = torch.zeros(32, 16, dtype=torch.bfloat16)  # what process_weights_after_loading computes, TP 1
+    scale = _fp8_scale(weight_amax(weight).reshape(1))
+    assert float(scale) > 0, f"scale {float(scale)} for an all-zero weight"
 
 
 if __name__ == "__main__":

@@ -73,9 +73,11 @@ class _Kernel:
 
 
 def _scaled_fp8_quant(x, scale=None, *args, **kwargs):
-    """What vLLM's static ``scaled_fp8_quant`` kernel computes for a given scale: x * (1 / s), clamp, cast."""
+    """What vLLM's static ``scaled_fp8_quant`` kernel computes for a given scale: x * (1 / s), clamp with
+    ``fminf``/``fmaxf`` (a NaN product clamps to 448: ``fmin``/``fmax`` return the number), cast."""
     inv = 1.0 / scale.to(torch.float32)
-    q = torch.clamp(x.to(torch.float32) * inv, -448.0, 448.0).to(torch.float8_e4m3fn)
+    v = x.to(torch.float32) * inv
+    q = torch.fmax(torch.fmin(v, torch.tensor(448.0)), torch.tensor(-448.0)).to(torch.float8_e4m3fn)
     return q, scale
 
 
