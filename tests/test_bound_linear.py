@@ -155,7 +155,7 @@ def test_fused_entry_point_guards_its_operands():
 
     assert call() is not None
     bad = [{"codes": codes.view(torch.int8)}, {"codes": codes.t()}, {"sb": torch.ones(15)},
-           {"sb": torch.ones(16, dtype=torch.float64)}, {"out": 3}, {"rows": 0}, {"isa": 7}]
+           {"sb": torch.ones(16, dtype=torch.float64)}, {"out": 3}, {"rows": 0}, {"isa": 7}, {"isa": -4}]
     if isa < 0:  # the packed weight's shape must fit the codes'
         bad += [{"pb": pb[:, :-1]}, {"special": special[:, :-1]}]
     for kw in bad:
@@ -184,3 +184,30 @@ def test_linear_matches_two_calls_checks_the_bound_call():
     assert rep.passed, rep.to_text()
     rep = check(_BoundDoubleRounding(), "ci", seed=0, contracts=["linear.matches_two_calls"])
     assert not rep.passed and "bound call" in rep.to_text(), rep.to_text()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_amx_bound_call_is_linear_bit_for_bit(recipe, monkeypatch):
+    """cpu-fp8-amx binds the AMX kernel (not cpu-fp8's packed one it inherits from): on the emulated
+    tiles here, rows in chunks of AMX_ROWS (8 for the test) as its ``linear`` takes them."""
+    from fp8ref.kernels import cpu_fp8_amx
+
+    monkeypatch.setattr(cpu_fp8_amx, "AMX_ROWS", 8)
+    be = cpu_fp8_amx.CpuFp8AmxBackend()
+    be.emulate = True
+    reason = be.available()
+    if reason:
+        pytest.skip(f"cpu-fp8-amx (emulated): {reason}")
+    N, K = 40, 72
+    w = _weight(be, N, K, recipe)
+    g = torch.Generator().manual_seed(2)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        fn = be.bind_linear(w, recipe.activation, out_dtype)
+        assert fn is not None
+        for M in (1, 5, 19):
+            x = torch.randn(M, K, generator=g, dtype=torch.bfloat16)
+            bias = torch.randn(N, generator=g)
+            got, want = fn(x, bias), be.linear(x, w, bias, out_dtype, recipe.activation)
+            assert got is not None and torch.equal(_bits(got), _bits(want)), (out_dtype, M)
+    be.emulate = False  # the kernel the binding chose is no longer the one linear runs: hand back
+    assert fn(torch.randn(2, K), None) is None

@@ -272,34 +272,45 @@ class CpuFp8Backend(Backend):
         (``fp8_linear`` in csrc/linear.cpp: the same quantizer, amax check, GEMM and rounding, in
         the same order); None where that path does not apply (the weight not prepared here, another
         scheme, the extension not loaded). The bound call hands a case back (None) where ``linear``
-        would leave its fast path, and when ``isa`` or ``bf16_dot`` changed since binding."""
+        would leave its fast path, and when the settings that pick the kernel (``_bind_state``)
+        changed since binding."""
         b, extra = unwrap(w, self.name)
         sb, codes = extra.get("sb"), extra.get("codes")
         mod = native.loaded()
         if (sb is None or codes is None or out_dtype not in _OUT or self._scheme_reason(scheme, "activation")
                 or not fast_scheme(scheme) or mod is None or not hasattr(mod, "fp8_linear")):
             return None
-        isa0, dot0 = self.isa, self.bf16_dot
-        path = self._path()
-        if path == "packed":
-            if extra.get("packed") is None:
-                return None
-            (pb, special), isa = extra["packed"], -1
-        else:
-            pb, special, isa = codes, codes, _GEMM_ISA[path]
+        kernel = self._bound_kernel(extra)
+        if kernel is None:
+            return None
+        pb, special, isa, rows = kernel
+        state = self._bind_state()
         args = (scheme.granularity is Granularity.TENSOR, scheme.qmax, scheme.amax_floor, *native_format_args(scheme),
                 scheme.pow2_scale, codes, pb, special, sb)
-        tail = (isa, PACKED_ROWS, _OUT.index(out_dtype))
+        tail = (isa, rows, _OUT.index(out_dtype))
         fn = mod.fp8_linear
 
         def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-            if self.isa is not isa0 or self.bf16_dot is not dot0:
+            if self._bind_state() != state:
                 return None
             if bias is None:
                 return fn(x, *args, sb, False, *tail)
             return fn(x, *args, bias, True, *tail)
 
         return run
+
+    def _bind_state(self) -> tuple:
+        """The settings that pick this backend's kernel (tests force them on the shared instance)."""
+        return self.isa, self.bf16_dot
+
+    def _bound_kernel(self, extra: dict) -> tuple | None:
+        """``(pb, special, isa, rows)``: ``fp8_linear``'s kernel arguments for the path that runs
+        here (``_gemm``'s), or None."""
+        path = self._path()
+        if path == "packed":
+            packed = extra.get("packed")
+            return None if packed is None else (*packed, -1, PACKED_ROWS)
+        return extra["codes"], extra["codes"], _GEMM_ISA[path], PACKED_ROWS
 
     def _packed(self) -> bool:
         """Whether the packed avx512_bf16 kernel runs (the CPU has the instructions; ``bf16_dot``)."""

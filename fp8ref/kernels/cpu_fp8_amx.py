@@ -112,6 +112,14 @@ class CpuFp8AmxBackend(CpuFp8Backend):
     def _packed(self) -> bool:
         return True
 
+    def _bind_state(self) -> tuple:
+        return self.isa, self.bf16_dot, self.emulate
+
+    def _bound_kernel(self, extra: dict) -> tuple | None:
+        """``fp8_linear``'s AMX path (-2; -3 on the emulated tiles), ``AMX_ROWS`` rows per call."""
+        packed = extra.get("packed")
+        return None if packed is None else (*packed, -3 if self.emulate else -2, AMX_ROWS)
+
     def _gemm(self, mod, codes_a: torch.Tensor, codes_b: torch.Tensor, extra: dict, sa: torch.Tensor,
               sb: torch.Tensor, bias_arg: tuple, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The kernel's result, rounded to bf16 by its epilogue when ``out_dtype`` is bf16 (the bits

@@ -75,8 +75,9 @@ at::Tensor scale_epilogue(at::Tensor y, at::Tensor sa, at::Tensor sb, at::Tensor
                           bool out_bf16, int64_t isa);
 
 // linear.cpp: cpu-fp8's warm linear in one call (quant_blocks, the amax check, the GEMM, the output
-// rounding); undefined (None) where the Python steps must take the call. isa < 0: the packed kernel
-// (pb, special; `rows` rows per call), else fp8_e4m3_gemm's path. out_code: 0 fp32, 1 bf16, 2 fp16.
+// rounding); undefined (None) where the Python steps must take the call. isa -1: the packed kernel,
+// -2: the AMX kernel, -3: the AMX kernel on emulated tiles (pb, special; `rows` rows per call),
+// >= 0: fp8_e4m3_gemm's path. out_code: 0 fp32, 1 bf16, 2 fp16.
 at::Tensor fp8_linear(at::Tensor x, bool per_tensor, double qmax, double floor, int64_t mant, int64_t emin,
                       int64_t ebias, bool negzero, bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special,
                       at::Tensor sb, at::Tensor bias, bool has_bias, int64_t isa, int64_t rows, int64_t out_code);

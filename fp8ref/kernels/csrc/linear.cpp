@@ -44,6 +44,7 @@ at::Tensor fp8_linear(at::Tensor x, bool per_tensor, double qmax, double floor, 
   const CsrGuard csr;  // IEEE subnormals on this thread (the functions called make their own too)
   TORCH_CHECK(out_code >= 0 && out_code <= 2, "fp8_linear: out_code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
   TORCH_CHECK(rows >= 1, "fp8_linear: rows must be >= 1, got ", rows);
+  TORCH_CHECK(isa >= -3, "fp8_linear: isa must be -3 (emulated AMX), -2 (AMX), -1 (packed) or a gemm path, got ", isa);
   TORCH_CHECK(codes.defined() && codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.device().is_cpu(),
               "fp8_linear: codes must be contiguous uint8 [N, K] on the CPU");
@@ -69,7 +70,21 @@ at::Tensor fp8_linear(at::Tensor x, bool per_tensor, double qmax, double floor, 
   const at::Tensor sa = q[1].reshape({-1}).expand({M}).contiguous();
   const at::Tensor bias_arg = has_bias ? b32 : sa;  // as the Python path: an unread placeholder
   at::Tensor y;
-  if (isa < 0) {  // the packed avx512_bf16 kernel, `rows` activation rows per call
+  const at::ScalarType out = out_code == 0 ? at::kFloat : (out_code == 1 ? at::kBFloat16 : at::kHalf);
+  if (isa <= -2) {  // the AMX kernel (-2: the tiles, -3: their emulation), `rows` rows per call
+    const bool emulate = isa == -3, out_bf16 = out == at::kBFloat16;
+    if (M <= rows) {
+      y = fp8_e4m3_gemm_amx(a, pb, special, N, sa, sb, bias_arg, has_bias, emulate, out_bf16);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (int64_t r = 0; r < M; r += rows) {
+        const int64_t n = std::min(rows, M - r);
+        parts.push_back(fp8_e4m3_gemm_amx(a.narrow(0, r, n), pb, special, N, sa.narrow(0, r, n), sb, bias_arg,
+                                          has_bias, emulate, out_bf16));
+      }
+      y = at::cat(parts);
+    }
+  } else if (isa == -1) {  // the packed avx512_bf16 kernel, `rows` activation rows per call
     if (M <= rows) {
       y = fp8_e4m3_gemm_packed(a, pb, special, N, sa, sb, bias_arg, has_bias);
     } else {
@@ -84,7 +99,6 @@ at::Tensor fp8_linear(at::Tensor x, bool per_tensor, double qmax, double floor, 
   } else {
     y = fp8_e4m3_gemm(a, codes, sa, sb, bias_arg, has_bias, isa);
   }
-  const at::ScalarType out = out_code == 0 ? at::kFloat : (out_code == 1 ? at::kBFloat16 : at::kHalf);
   if (y.scalar_type() != out) y = y.to(out);
   if (x.dim() == 2) return y;
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end() - 1);
