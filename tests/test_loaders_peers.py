@@ -100,12 +100,14 @@ def test_vllm_online_zero_weight_scale_is_finding_41():
 @needs_vllm
 def test_vllm_online_per_tensor_tp2_agrees_the_scale_over_ranks():
     """At TP 2 vLLM's fp8_per_tensor all-reduces the amax: rank 1 holds the whole weight's scale, not
-    its slice's (the row declines TP > 1 for this, docs/spec.md §8.2); the block method does not."""
+    its slice's, which docs/spec.md §8.2 admits (the scale TP 1 holds); the block method does not
+    agree a scale, and its TP 2 shard passes too."""
     from fp8ref.peers.loaders.vllm_online import VLLMOnlineFp8Loader
+    from fp8ref.spec.loading import entry_index, expectation, loaded_error_bound
 
     loader = VLLMOnlineFp8Loader("merged", block=False)
     p = _problem(loader, (64, 64), 32, torch.bfloat16, tp=2, rank=1, exponents=(0, 0))
-    assert loader.supports(p.layout, p.dtype) is not None
+    assert loader.supports(p.layout, p.dtype) is None
     weights = p.weights()
     weights[0][0, 0] = 1000.0  # rank 0's rows hold the outlier
     state = loader.create(p.layout)
@@ -114,6 +116,13 @@ def test_vllm_online_per_tensor_tp2_agrees_the_scale_over_ranks():
     held = loader.read(state, p.layout)
     # the collective's amax (rank 0's outlier), not rank 1's own: s = amax / 448 in fp32
     assert float(held.scale) == float(torch.tensor(1000.0) / torch.tensor(448.0))
+    exp = expectation(p.layout, weights)
+    s2, rows, cols = entry_index(p.layout, held)
+    e = s2[rows][:, cols].double()
+    lo, hi, bound = loaded_error_bound(exp, rows.reshape(-1, 1) * s2.shape[1] + cols.reshape(1, -1), e)
+    assert bool((e > exp.own_hi).all())  # coarser than rank 1's own: judged as the TP-agreed scale
+    assert bool(((e >= lo) & (e <= hi)).all()) and bool(((held.data.double() * e - exp.x).abs() <= bound).all())
+    assert check_load_values(loader, p) <= 1
     block = VLLMOnlineFp8Loader("merged", block=True)
     q = _problem(block, (256, 128), 128, torch.bfloat16, tp=2, rank=1, exponents=(-2, 2))
     assert check_load_values(block, q) <= 1

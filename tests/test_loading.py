@@ -64,3 +64,39 @@ def test_layout_errors():
     with pytest.raises(ValueError, match="fits no reading"):
         entry_index(LoadLayout((4, 4), 8, TENSOR), Loaded(torch.zeros(8, 8, dtype=torch.float8_e4m3fn),
                                                           torch.ones(3)))
+
+
+def _judged(lay, w, data, scale):
+    """(in interval, within bound) of every element of a loaded shard under the Loading rule."""
+    exp = expectation(lay, w)
+    held = Loaded(data, scale)
+    s2, rows, cols = entry_index(lay, held)
+    e = s2[rows][:, cols].double()
+    lo, hi, bound = loaded_error_bound(exp, rows.reshape(-1, 1) * s2.shape[1] + cols.reshape(1, -1), e)
+    return bool(((e >= lo) & (e <= hi)).all()), bool(((data.double() * e - exp.x).abs() <= bound).all())
+
+
+def test_tp_agreed_per_tensor_scale_is_the_unsharded_partitions_or_none():
+    """§8.2: online per-tensor at TP > 1 a rank holds its own slice's scale or its unsharded
+    partition's (what TP 1 holds, all_reduce(MAX)); a scale between them, a coarser one, or
+    another partition's is outside."""
+    static = TENSOR.with_(dynamic=False)
+    lay = LoadLayout((8, 8), 16, TENSOR, tp_size=4, tp_rank=2)
+    w = _weights(lay.partitions, 16, (1.0, 4.0))
+    w[0][0, 0], w[1][0, 0] = 64.0, 256.0  # rank 0 holds both partitions' amax: rank 2's own scales are finer
+    local = [x[lay.row_slice(p)] for p, x in enumerate(w)]
+
+    def held(scales):
+        return torch.cat([quantize(x, static, s).data for x, s in zip(local, scales, strict=True)]), scales
+
+    own = torch.stack([quantize(x, TENSOR).scale.reshape(()) for x in local])
+    whole = torch.stack([quantize(x, TENSOR).scale.reshape(()) for x in w])
+    assert bool((whole > 2 * own).all())
+    assert _judged(lay, w, *held(own)) == (True, True)
+    assert _judged(lay, w, *held(whole)) == (True, True)        # the TP group's agreed scale
+    assert not _judged(lay, w, *held(torch.sqrt(own * whole)))[0]  # between the two: neither
+    assert not _judged(lay, w, *held(2 * whole))[0]               # coarser than the whole weight's
+    assert not _judged(lay, w, *held(whole.flip(0)))[0]           # the other partition's
+    # the agreed scale read over codes quantized with the rank's own scale: outside the bound
+    codes_own = held(own)[0]
+    assert _judged(lay, w, codes_own, whole) == (True, False)

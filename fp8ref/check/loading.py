@@ -274,7 +274,7 @@ def _judge(p: LoadProblem, held: Loaded) -> float:
     codes = held.data.to(torch.float64)
     e = s2.to(torch.float64)[rows][:, cols]
     entries = rows.reshape(-1, 1) * s2.shape[1] + cols.reshape(1, -1)
-    lo, hi, bound = loaded_error_bound(exp, entries)
+    lo, hi, bound = loaded_error_bound(exp, entries, e)
     bad = ~torch.isfinite(codes)
     if bool(bad.any()):
         i, j = (int(v) for v in bad.nonzero()[0])
@@ -286,7 +286,7 @@ def _judge(p: LoadProblem, held: Loaded) -> float:
         raise ContractViolation(f"{int(bad.sum())} elements read a scale outside the Loading rule's interval; first "
                                 f"at {_where(p, i, j)}: scale {e[i, j].item()!r}, allowed [{lo[i, j].item()!r}, "
                                 f"{hi[i, j].item()!r}] (its partition's own scale is in [{exp.own_lo[i, j].item()!r}, "
-                                f"{exp.own_hi[i, j].item()!r}])")
+                                f"{exp.own_hi[i, j].item()!r}]{_agreed(exp, i, j)})")
     err = (codes * e - exp.x).abs()
     ratio = torch.where(bound > 0, err / bound, torch.where(err > 0, torch.full_like(err, float("inf")), 0 * err))
     worst = float(ratio.max()) if ratio.numel() else 0.0
@@ -298,6 +298,13 @@ def _judge(p: LoadProblem, held: Loaded) -> float:
                                 f"{err[i, j].item():.4g} > bound {bound[i, j].item():.4g} (ratio {worst:.4g})",
                                 ratio=worst)
     return worst
+
+
+def _agreed(exp, i: int, j: int) -> str:
+    """The TP-agreed alternative's upper end at (i, j), where the rule admits one (§8.2)."""
+    if exp.agreed_hi is None:
+        return ""
+    return f"; the unsharded partition's, agreed over the TP group, up to {exp.agreed_hi[i, j].item()!r}"
 
 
 def _effective(p: LoadProblem, held: Loaded) -> tuple[torch.Tensor, torch.Tensor]:

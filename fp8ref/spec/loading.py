@@ -17,7 +17,10 @@ elements E must lie in ``[s_lo(amax_E), max_E s_hi]`` (no element clips; no coar
 largest own scale it serves: a shared scale is the max of the partitions', as
 ``requantize_with_max_scale`` makes it), and each element must dequantize within the spec's bound
 for that interval, plus the first rounding's bound where the entry is coarser than its own scale
-(codes requantized from the partition's own).
+(codes requantized from the partition's own). Online per-tensor at TP > 1 a rank may instead hold
+the scale its TP group agrees on, its unsharded partition's (what TP 1 holds): the same
+inequalities with the whole partition's quantization as the reference
+(``agreed_scale_admitted``).
 
 Imports flow down: ``schemes``, ``quant`` and ``bounds`` of the spec, nothing above.
 """
@@ -33,7 +36,7 @@ from .quant import Quantized, check_float_input, compute_scale, expand_scale, qu
 from .schemes import Granularity, QuantScheme
 
 __all__ = ["LoadLayout", "LoadSource", "Loaded", "Expectation", "expectation", "checkpoint", "source_slices",
-           "loaded_error_bound", "entry_index", "PARALLEL", "SOURCE_DTYPES"]
+           "loaded_error_bound", "agreed_scale_admitted", "entry_index", "PARALLEL", "SOURCE_DTYPES"]
 
 PARALLEL = ("column", "row")
 SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -186,7 +189,8 @@ def checkpoint(layout: LoadLayout, weights) -> LoadSource:
 class Expectation:
     """The reference for one rank: float64 ``[n_local, k_local]`` tensors of the original values
     ``x``, the own scales' interval ``own_lo``/``own_hi``, the own bound (``conforming`` bound of the
-    partition's quantization), and the partition index of each row."""
+    partition's quantization), the partition index of each row, and where the rule admits a scale
+    agreed over the TP group, that alternative (``agreed_*``)."""
 
     x: torch.Tensor
     source: torch.Tensor
@@ -195,6 +199,12 @@ class Expectation:
     own_bound: torch.Tensor
     partition_of_row: torch.Tensor
     scheme: QuantScheme = field(repr=False)
+    #: The TP-agreed alternative (``agreed_scale_admitted``): per element, its unsharded
+    #: partition's amax, scale interval's upper end and bound (the spec's quantization of the
+    #: whole partition ``W_p``, what TP 1 holds); None where the rule admits no alternative.
+    agreed_amax: torch.Tensor | None = None
+    agreed_hi: torch.Tensor | None = None
+    agreed_bound: torch.Tensor | None = None
 
 
 def expectation(layout: LoadLayout, weights) -> Expectation:
@@ -213,7 +223,8 @@ def expectation(layout: LoadLayout, weights) -> Expectation:
         if tuple(w.shape) != (layout.partitions[p], layout.k):
             raise ValueError(f"weights[{p}] has shape {tuple(w.shape)}, layout needs "
                              f"{(layout.partitions[p], layout.k)}")
-    xs, los, his, bounds = [], [], [], []
+    agreed = agreed_scale_admitted(layout)
+    xs, los, his, bounds, a_amax, a_hi, a_bound = [], [], [], [], [], [], []
     for p, w in enumerate(weights):
         rs, cs = layout.row_slice(p), layout.col_slice()
         if layout.offline:
@@ -229,13 +240,30 @@ def expectation(layout: LoadLayout, weights) -> Expectation:
             lo, hi = scale_interval(ref)
             lo, hi = (expand_scale(t, scheme, *xl.shape) for t in (lo, hi))
             bound = conforming_quantization_error_bound(xl, ref)
+        if agreed:  # the whole partition quantized: the scale every rank holds at TP 1
+            whole = quantize(w, scheme)
+            n_l, k_l = rs.stop - rs.start, cs.stop - cs.start
+            a_amax.append(w.abs().max().to(torch.float64).expand(n_l, k_l))
+            a_hi.append(scale_interval(whole)[1].reshape(()).to(torch.float64).expand(n_l, k_l))
+            a_bound.append(conforming_quantization_error_bound(w, whole)[rs, cs].to(torch.float64))
         xs.append(w[rs, cs])
         los.append(lo.to(torch.float64))
         his.append(hi.to(torch.float64))
         bounds.append(bound.to(torch.float64))
     part = torch.cat([torch.full((n,), p, dtype=torch.long) for p, n in enumerate(layout.local_partitions)])
     src = torch.cat(xs)
-    return Expectation(src.to(torch.float64), src, torch.cat(los), torch.cat(his), torch.cat(bounds), part, scheme)
+    alt = (torch.cat(a_amax), torch.cat(a_hi), torch.cat(a_bound)) if agreed else (None, None, None)
+    return Expectation(src.to(torch.float64), src, torch.cat(los), torch.cat(his), torch.cat(bounds), part, scheme,
+                       *alt)
+
+
+def agreed_scale_admitted(layout: LoadLayout) -> bool:
+    """Whether a rank's scale may be the one its TP group agrees on (docs/spec.md §8.2, "A scale
+    agreed over the TP group"): an online per-tensor scheme at TP > 1, where a stack that reduces
+    the amax over the group (``all_reduce(MAX)``) holds the unsharded partition's scale, what TP 1
+    holds, and the sharded layer computes what the unsharded one does. A checkpoint's scale is
+    already the whole partition's; row and block scales stay the rank slice's own."""
+    return not layout.offline and layout.tp_size > 1 and layout.scheme.granularity is Granularity.TENSOR
 
 
 def entry_index(layout: LoadLayout, loaded: Loaded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -274,9 +302,12 @@ def entry_index(layout: LoadLayout, loaded: Loaded) -> tuple[torch.Tensor, torch
     return s2, rows, cols
 
 
-def loaded_error_bound(exp: Expectation, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def loaded_error_bound(exp: Expectation, entries: torch.Tensor, held: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(lo, hi, bound)``: per element, the interval its stored scale entry must lie in and the
-    bound on |q e - x|. ``entries`` ([n, k] long) numbers the stored scale entry each element reads.
+    bound on |q e - x|. ``entries`` ([n, k] long) numbers the stored scale entry each element reads;
+    ``held`` ([n, k] float64, optional) is the scale each element reads, which chooses between the
+    rule's alternatives where ``exp`` has a TP-agreed one (without it: the own alternative).
 
     Notes
     -----
@@ -290,13 +321,32 @@ def loaded_error_bound(exp: Expectation, entries: torch.Tensor) -> tuple[torch.T
     with B(x; lo, hi) = hi ulp(min(|x| (1 + g) / lo, qmax)) / 2 + g |x| + max(|x| - qmax lo, 0),
     g = gamma_2(u32) (``conforming_quantization_error_bound``'s inequality). An entry read only by
     zeros (amax_E = 0) may hold any positive finite scale: its codes must be 0.
+
+    The TP-agreed alternative (``exp.agreed_*``) is the same inequalities with each element's own
+    quantization replaced by its unsharded partition's: amax_E the largest amax of the whole
+    partitions E reads, hi_i and B_i the whole partition's. An entry is judged by the own
+    alternative unless e lies outside its interval and inside the agreed one's (then by that one;
+    outside both, the own interval is returned and e fails it): a scale between the two (coarser
+    than the rank's own, finer than the whole weight's) lies in neither.
     """
+    own = _alternative(exp, entries, exp.x.abs(), exp.own_hi, exp.own_bound)
+    if held is None or exp.agreed_amax is None:
+        return own
+    alt = _alternative(exp, entries, exp.agreed_amax, exp.agreed_hi, exp.agreed_bound)
+    by_alt = ~((held >= own[0]) & (held <= own[1])) & (held >= alt[0]) & (held <= alt[1])
+    return tuple(torch.where(by_alt, b, a) for a, b in zip(own, alt, strict=True))
+
+
+def _alternative(exp: Expectation, entries: torch.Tensor, amax_x: torch.Tensor, hi_x: torch.Tensor,
+                 bound_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``loaded_error_bound``'s inequalities for one reference quantization: per element the amax its
+    entry must not clip (``amax_x``), its scale interval's upper end and its bound."""
     scheme = exp.scheme
     flat = entries.reshape(-1)
     m = int(flat.max()) + 1 if flat.numel() else 0
-    ax = exp.x.abs().reshape(-1)
-    amax = torch.zeros(m, dtype=torch.float64).scatter_reduce(0, flat, ax, "amax", include_self=True)
-    hi_e = torch.zeros(m, dtype=torch.float64).scatter_reduce(0, flat, exp.own_hi.reshape(-1), "amax",
+    amax = torch.zeros(m, dtype=torch.float64).scatter_reduce(0, flat, amax_x.reshape(-1), "amax",
+                                                              include_self=True)
+    hi_e = torch.zeros(m, dtype=torch.float64).scatter_reduce(0, flat, hi_x.reshape(-1), "amax",
                                                                include_self=True)
     dyn = scheme.with_(granularity="row", block=None, dynamic=True)
     s_e = compute_scale(amax.to(torch.float32).reshape(-1, 1), dyn)
@@ -309,8 +359,8 @@ def loaded_error_bound(exp: Expectation, entries: torch.Tensor) -> tuple[torch.T
     lo_e = torch.where(zero, torch.zeros_like(lo_e), lo_e)
     hi_e = torch.where(zero, torch.full_like(hi_e, float("inf")), hi_e)
     lo, hi = lo_e[flat].reshape(entries.shape), hi_e[flat].reshape(entries.shape)
-    shared = hi > exp.own_hi
-    r = torch.where(shared, exp.own_bound, torch.zeros_like(exp.own_bound))
+    shared = hi > hi_x
+    r = torch.where(shared, bound_x, torch.zeros_like(bound_x))
     bound = r + _interval(exp.x.abs() + r, scheme, lo, hi)
     return lo, hi, torch.where(torch.isinf(hi), torch.zeros_like(bound), bound)
 

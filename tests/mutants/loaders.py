@@ -12,13 +12,14 @@ expose it); every correct variant does something differently and rightly.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
 from fp8ref.check.loading import WeightLoader
 from fp8ref.spec.loading import Loaded, source_slices
-from fp8ref.spec.quant import quantize, round_to_format
+from fp8ref.spec.quant import compute_scale, quantize, round_to_format
 from fp8ref.spec.schemes import QuantScheme
 
 TENSOR = QuantScheme(granularity="tensor")
@@ -215,6 +216,54 @@ class FusedMaxOnline(Fused):
         return Loaded(st.weight, st.shared)
 
 
+class TPAgreedPerTensor(Fused):
+    name = "correct-tp-agreed-per-tensor"
+    bug = ("online per-tensor at TP > 1: each partition's amax is reduced with all_reduce(MAX) over the TP group "
+           "(the max of every rank's slice amax), so every rank holds the unsharded partition's scale, what TP 1 "
+           "holds (vLLM's amax_for_tp_weight_quant); codes quantized with it")
+    #: one scale for the whole fused weight (vLLM's online fp8_per_tensor) instead of one per partition
+    fused = False
+
+    def load(self, st, layout, source):
+        super().load(st, layout, source)
+        st.full = source.weights  # what the other ranks load: the collective's inputs
+
+    def reduce(self, amaxes: list[torch.Tensor]) -> torch.Tensor:
+        """The TP group's collective over every rank's amax (rank r's at index r)."""
+        return torch.stack(amaxes).max()
+
+    def _agreed_scale(self, layout, full, parts) -> torch.Tensor:
+        """Every rank's slice amax over ``parts`` (rank r's computed from its slices of the full
+        weights, as rank r would), reduced over the group: the scale of ``reduce``'s amax."""
+        amaxes = [max(w.abs().max().to(torch.float32) for i, w in enumerate(
+                      source_slices(replace(layout, tp_rank=r), full)) if i in parts)
+                  for r in range(layout.tp_size)]
+        return compute_scale(self.reduce(amaxes).reshape(1, 1), self.scheme).reshape(())
+
+    def process(self, st, layout):
+        static = self.scheme.with_(dynamic=False)
+        groups = [range(len(layout.partitions))] if self.fused else [[p] for p in range(len(layout.partitions))]
+        shared = []
+        for parts in groups:
+            s = self._agreed_scale(layout, st.full, set(parts))
+            for p in parts:
+                off, m = layout.offsets[p], layout.local_partitions[p]
+                st.weight[off:off + m] = quantize(st.hp[off:off + m], static, s).data
+                self.put_scale(st, layout, p, s, 0)
+            shared.append(s)
+        st.shared = shared[0].reshape(1).clone()
+
+    def read(self, st, layout):
+        return Loaded(st.weight, st.shared if self.fused else st.scale)
+
+
+class TPAgreedFusedMax(TPAgreedPerTensor):
+    name = "correct-tp-agreed-fused-tensor-scale"
+    bug = ("online per-tensor at TP > 1: one scale for the rank's fused weight, its amax all-reduced (MAX) over the "
+           "TP group: the whole fused weight's scale on every rank (vLLM 0.33's online fp8_per_tensor)")
+    fused = True
+
+
 # --------------------------------------------------------------------------------------------
 # mutants
 
@@ -327,6 +376,29 @@ class RowParallelUnsharded(Fused):
         self.put_scale(st, layout, p, scale[b0:b1, :c1 - c0], slot)
 
 
+class TPAgreedSum(TPAgreedPerTensor):
+    name = "mutant-tp-agreed-scale-sum"
+    upstream = "all_reduce(SUM) where MAX was meant (the default op of torch.distributed.all_reduce)"
+    klass = "tensor-parallel sharding"
+    trigger = "online per-tensor at TP > 1"
+    bug = ("the TP group agrees on the per-tensor amax with all_reduce's default op, SUM: every rank holds a scale "
+           "coarser than both its own and the unsharded partition's")
+
+    def reduce(self, amaxes):
+        return torch.stack(amaxes).sum()
+
+
+class TPAgreedRankZero(TPAgreedPerTensor):
+    name = "mutant-tp-agreed-scale-rank-zero"
+    upstream = "broadcast(src=0) where all_reduce(MAX) was meant"
+    klass = "tensor-parallel sharding"
+    trigger = "online per-tensor at TP > 1 where rank 0's slice amax is not the partition's"
+    bug = "every rank takes rank 0's per-tensor scale (a broadcast from rank 0), not the max over the TP group"
+
+    def reduce(self, amaxes):
+        return amaxes[0]
+
+
 class InPlaceRelayout(Fused):
     name = "mutant-in-place-scale-relayout"
     upstream = "vllm#50204"
@@ -372,8 +444,10 @@ LOAD_MUTANTS = [
     _make(RequantTwice, TENSOR, True), _make(ReloadNotIdempotent, TENSOR, True),
     _make(RowParallelUnsharded, BLOCK, True), _make(InPlaceRelayout, BLOCK, True),
     _make(ZeroWeightsFp16, ROW, False), _make(ZeroWeightsFp16, TENSOR, False),
+    _make(TPAgreedSum, TENSOR, False), _make(TPAgreedRankZero, TENSOR, False),
 ]
 LOAD_CORRECT = [
     _make(Fused, s, off) for s in (TENSOR, ROW, BLOCK) for off in (False, True)
 ] + [_make(PaddedScaleRows, BLOCK, True), _make(PaddedScaleRows, BLOCK, False), _make(MaxRequant, TENSOR, True),
-     _make(FusedMaxOnline, TENSOR, False)]
+     _make(FusedMaxOnline, TENSOR, False), _make(TPAgreedPerTensor, TENSOR, False),
+     _make(TPAgreedFusedMax, TENSOR, False)]

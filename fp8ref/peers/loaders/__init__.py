@@ -111,9 +111,10 @@ NOT_WRAPPED = ("Not wrapped: SGLang's and vLLM's per-channel online paths (`per_
                "replace the weight by a transposed FP8 `Parameter` without `weight_loader` and do not restore it, "
                "so its weight update (`update_weights_from_disk`) cannot load them again (its reload for them is "
                "`QuantizedRLModelLoader`, model-level, not wrapped): those rows decline `load.reload_idempotent` "
-               "and read `untested` where nothing else fails. vLLM's online per-tensor rows decline TP > 1: vLLM "
-               "agrees one scale over the TP group (the whole weight's amax, `amax_for_tp_weight_quant`), which "
-               "the Loading rule's online expectation (each rank slice's own scale) does not admit. Known failures "
+               "and read `untested` where nothing else fails. vLLM's online per-tensor rows run at simulated TP 2-8: "
+               "vLLM agrees one scale over the TP group (`all_reduce(MAX)` of the amax, `amax_for_tp_weight_quant`), "
+               "answered here with the max of every rank's shard amax, so a rank holds the unsharded weight's "
+               "scale, which docs/spec.md §8.2 admits (\"A scale agreed over the TP group\"). Known failures "
                "read `xfail` with their finding (docs/findings.md, `fp8ref/conformance/known_failures.py`).")
 
 

@@ -27,12 +27,11 @@ a stand-in whose post-processing does nothing, and ``ops.scaled_fp8_quant`` is t
 checks' poisoned ``torch.empty`` and fails. The TP rank and size are patched; the
 ``all_reduce(MAX)`` of the amax has no peers in one process (a one-process gloo group would return
 the rank's own amax, not what TP ranks agree on), so the wrapper answers it with what the collective
-returns: the max over every rank's shard, which the loader holds (the full partitions). With it, a
-rank whose own shard has a smaller amax holds a scale coarser than the Loading rule's online
-expectation (its rank slice quantized on its own): by design (the scale TP 1 would give), not a
-misplaced scale, so the per-tensor rows decline TP > 1 with that reason rather than fail
-(docs/certified-loaders.md). A reload is vLLM's layerwise weight update, as for the checkpoint
-loaders.
+returns: the max of every rank's amax, each rank's computed here from its own fused shard of the
+full partitions (the rows rank r's weight loader would keep), as rank r computes it. A rank whose
+own shard has a smaller amax then holds the unsharded weight's scale, the one TP 1 holds, which
+docs/spec.md §8.2 admits ("A scale agreed over the TP group"). A reload is vLLM's layerwise weight
+update, as for the checkpoint loaders.
 """
 
 from __future__ import annotations
@@ -40,13 +39,14 @@ from __future__ import annotations
 import importlib
 import math
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 from unittest import mock
 
 import torch
 
 from ...check.loading import WeightLoader
-from ...spec.loading import Loaded
+from ...spec.loading import Loaded, source_slices
 from ...spec.schemes import QuantScheme
 from .vllm import _Kernel, _vllm_cpu
 
@@ -119,16 +119,16 @@ class VLLMOnlineFp8Loader(WeightLoader):
             return "QKVParallelLinear holds three partitions q, k, v with len(k) == len(v)"
         if self.kind == "merged" and len(parts) < 2:
             return "MergedColumnParallelLinear holds two or more partitions"
-        if not self.block and layout.tp_size > 1:
-            return ("vLLM all-reduces the per-tensor amax over the TP group: a rank's scale is the whole weight's, "
-                    "which docs/spec.md §8.2's online rule (the rank slice's own scale) does not admit")
         return None
 
     def create(self, layout):
         return SimpleNamespace(layer=None, method=_method(self.block), loads=0, weights=None)
 
-    def _amax_all(self, state):
-        return max(w.abs().max().to(torch.float32) for w in state.weights)
+    def _amax_all(self, state, layout):
+        """``all_reduce(MAX)`` over the TP group of each rank's ``weight_amax`` of its fused shard."""
+        ranks = (replace(layout, tp_rank=r) for r in range(layout.tp_size))
+        return torch.stack([max(w.abs().max().to(torch.float32) for w in source_slices(lay, state.weights))
+                            for lay in ranks]).max()
 
     def _build(self, state, layout, dtype):
         from vllm.model_executor.layers import linear as lin
@@ -136,7 +136,7 @@ class VLLMOnlineFp8Loader(WeightLoader):
         from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
         cfg = Fp8Config(is_checkpoint_fp8_serialized=True)  # a QuantizationConfig whose method is patched in
-        with _online_cpu(layout, lambda: self._amax_all(state)), \
+        with _online_cpu(layout, lambda: self._amax_all(state, layout)), \
                 mock.patch.object(Fp8Config, "get_quant_method", lambda s, layer, prefix: state.method):
             if self.kind == "merged":
                 layer = lin.MergedColumnParallelLinear(layout.k, list(layout.partitions), bias=False, quant_config=cfg,
@@ -156,7 +156,7 @@ class VLLMOnlineFp8Loader(WeightLoader):
             state.layer = self._build(state, layout, source.weights[0].dtype)
         layer = state.layer
         shard_ids = ["q", "k", "v"] if self.kind == "qkv" else list(range(len(layout.partitions)))
-        with _online_cpu(layout, lambda: self._amax_all(state)):
+        with _online_cpu(layout, lambda: self._amax_all(state, layout)):
             if state.loads > 1:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -165,7 +165,7 @@ class VLLMOnlineFp8Loader(WeightLoader):
                 layer.weight.weight_loader(layer.weight, w, shard_ids[p])
 
     def process(self, state, layout):
-        with _online_cpu(layout, lambda: self._amax_all(state)):
+        with _online_cpu(layout, lambda: self._amax_all(state, layout)):
             if state.loads > 1:
                 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
