@@ -57,21 +57,21 @@ def fp32_intermediate_max(a: Quantized, b: Quantized, bias: torch.Tensor | None 
     (``<= |S_g| max(sa_g, sb_g)``, ``|S_g| = sum_{k in g} |a_k b_k|``), the product of the two scales
     (``sa_g sb_g``), a dequantized operand (``|a_k| sa_g``, ``|b_k| sb_g``), the terms and every
     partial sum of them with the bias (``<= P + |bias|``, ``P = sum_g |sa_g sb_g| |S_g|``). The
-    largest of these over every output element is returned. A first bound from the operands'
-    maxima (``L max|a| max|b| max(sa, sb)``, ...) is returned instead when it is below 2**100: then
-    the exact maximum is too, and no [M, N] product is formed (the common case).
+    largest of these over every output element is returned. A first bound from the formats' and
+    scales' maxima (``L max_a max_b max(sa, sb)``, ...) is returned instead when it is below 2**100:
+    then the exact maximum is too, and no code is widened (the common case).
     """
-    A = a.data.to(torch.float64).abs()
-    B = b.data.to(torch.float64).abs()
     SA, SB = _scales(a), _scales(b)
     segs = k_segments(a, b)
     L, K = max(k1 - k0 for k0, k1 in segs), a.data.shape[1]
-    ma, mb = (float(t.max()) if t.numel() else 0.0 for t in (A, B))
+    ma, mb = a.scheme.format.max, b.scheme.format.max  # every finite code's magnitude is at most these
     sa, sb = (float(t.max()) if t.numel() else 0.0 for t in (SA, SB))
     mbias = float(bias.to(torch.float64).abs().max()) if bias is not None and bias.numel() else 0.0
     coarse = max(L * ma * mb * max(sa, sb), sa * sb, ma * sa, mb * sb, K * ma * mb * sa * sb + mbias)
-    if coarse < 2.0**100 or A.numel() == 0 or B.numel() == 0:
+    if coarse < 2.0**100 or a.data.numel() == 0 or b.data.numel() == 0:
         return coarse
+    A = a.data.to(torch.float64).abs()
+    B = b.data.to(torch.float64).abs()
     worst = 0.0
     P = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64)
     for k0, k1 in segs:
