@@ -21,6 +21,7 @@ import torch
 
 from ..registry import Backend
 from ..spec.bounds import linear_error_bound
+from ..spec.overflow import OVERFLOW_PREMISE, fp32_overflow_possible
 from ..spec.quant import Quantized
 from ..spec.schemes import Recipe
 from .common import (
@@ -141,6 +142,10 @@ def check_linear_bound(backend: Backend, p: LinearProblem, *, call_linear: Linea
         y = y if bias is None else y + bias.to(torch.float64)
         if bool((y.abs() > torch.finfo(p.out_dtype).max / 4).any()):
             raise Declined(f"premise: the exact result overflows {p.out_dtype}")
+        # slack 2: the backend's own codes of x are the spec's within one step (<= 1 + 2u, u <= 2**-3)
+        # and its scale within the quantizer's tolerance (docs/spec.md §5.2, "overflow")
+        if fp32_overflow_possible(qx, qw, bias, slack=2.0):
+            raise Declined(OVERFLOW_PREMISE)
         return y
 
     y_true = cached_reference(("linear_exact", p), exact, lru=False)

@@ -10,6 +10,7 @@ import torch
 from ..registry import Backend, Case, decline_reason
 from ..spec import gemm
 from ..spec.bounds import gemm_error_bound, gemm_underflow_possible
+from ..spec.overflow import OVERFLOW_PREMISE, fp32_overflow_possible
 from ..spec.quant import Quantized
 from .common import (
     ContractViolation,
@@ -36,6 +37,8 @@ def _gemm_ref(p: GemmProblem):
         limit = torch.finfo(p.out_dtype).max / 2
         if not bool(torch.isfinite(y64).all()) or bool((y64.abs() > limit).any()):
             raise Declined(f"premise: the exact result overflows {p.out_dtype}")
+        if fp32_overflow_possible(a, b, bias):
+            raise Declined(OVERFLOW_PREMISE)
         return a, b, bias, y64
 
     a, b, bias, y64 = cached_reference(("gemm", p), compute)
@@ -111,6 +114,8 @@ def check_scaled_mm_scale_equivariance(backend: Backend, p: GemmProblem) -> floa
     bias2 = None if bias is None else bias * f
     if bias is not None and not torch.equal(bias2 / f, bias):
         raise Declined("premise: bias * 2**k is not exact")
+    if fp32_overflow_possible(Quantized(a.data, s2, a.scheme), b, bias2):
+        raise Declined(OVERFLOW_PREMISE)
     y1 = call_scaled_mm(backend, a, b, bias, p.out_dtype)
     y2 = call_scaled_mm(backend, Quantized(a.data, s2, a.scheme), b, bias2, p.out_dtype)
     oi = torch.finfo(p.out_dtype)

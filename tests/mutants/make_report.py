@@ -10,8 +10,12 @@ repeats seed 0 with the sweep off (``sweep=False``). Peers: each peer's rtol/ato
 (fp8ref/conformance/peers.py) applied end to end -- the mutant's linear (quantize + scaled_mm, or
 its fused hook) on randn inputs of peer-typical shapes, against the fp32 matmul of the
 reference-dequantized operands -- over ``--trials`` problems; the rate is the fraction of problems
-on which the peer's check fails. Times are CPU seconds of this process (``time.process_time``),
-less sensitive than wall time to the other jobs of a shared machine.
+on which the peer's check fails. The last sections hold the other catalogues to the same report:
+the third-party kernels (``third_party.py``, issue 39: every one must pass on every seed, here
+``--seeds`` of them), the loader catalogue (``loaders.py``, ``check_loader``) and the MoE catalogue
+(``moe.py``, ``check_moe``), each on seed 0 for the mutants (``fail_fast``) and the correct
+variants. Times are CPU seconds of this process (``time.process_time``), less sensitive than wall
+time to the other jobs of a shared machine.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from fp8ref.spec.schemes import RECIPES
 from .base import CLASSES
 from .catalogue import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS, CORRECT, MUTANTS, claim_of
 from .ladder import LADDER, swamp_ratio
+from .loaders import LOAD_CORRECT, LOAD_MUTANTS
+from .moe import MOE_CORRECT, MOE_MUTANTS
+from .third_party import THIRD_PARTY
 
 _SHAPES = [(1, 16, 16), (17, 64, 128), (33, 16, 144), (64, 64, 272), (5, 32, 160), (128, 16, 256)]
 
@@ -99,6 +106,61 @@ def calling_section(seeds: int) -> list[str]:
         out.append(f"| `{cls.name}` | {cls.bug} | {sum(ok) / len(ok):.0%} |")
         print(cls.name, sum(ok), flush=True)
     out += ["", f"This section took {time.process_time() - t_all:.0f} CPU s.", ""]
+    return out
+
+
+def third_party_section(seeds: int) -> list[str]:
+    """The third-party kernels (``third_party.py``): per kernel, the seeds of ``ci`` it passes (every
+    contract of every op; ``test_third_party.py`` asserts all of seeds 0-7) and the CPU seconds."""
+    fast = get_profile("ci").with_(shrink=False)
+    out = ["## Correct kernels written as a third party writes them: must be accepted", "",
+           "`tests/mutants/third_party.py` (issue 39): correct kernels declaring nothing beyond accumulation and "
+           "output roundings; `check(kernel, \"ci\", seed=s)` on every contract, seeds "
+           f"0..{seeds - 1}. A rejection is a false alarm of the suite (docs/conformance.md, \"Defects, and what a "
+           "declaration changes\").", "",
+           "| kernel | declares | what it does | passed | CPU s |", "|---|---|---|---|---|"]
+    for cls in THIRD_PARTY:
+        ok, dt = _timed(lambda c=cls: [check(c(), fast, seed=s).passed for s in range(seeds)])
+        out.append(f"| `{cls.name}` | {cls.accumulation.name}, {cls.output_roundings} rounding(s) | {cls.bug} | "
+                   f"{sum(ok) / len(ok):.0%} | {dt:.1f} |")
+        print(cls.name, sum(ok), flush=True)
+    return out + [""]
+
+
+def _catalogue_rows(mutants, correct, run, label) -> list[str]:
+    """Rows of a mutant table (the first failing contract on seed 0 with ``fail_fast``, examples and
+    CPU seconds until then) and of a correct-variant table (passed on seed 0)."""
+    out = ["| mutant | modelled on | bug | caught by | examples | CPU s |", "|---|---|---|---|---|---|"]
+    for make in mutants:
+        cls = getattr(make, "cls", make)
+        report, dt = _timed(lambda m=make: run(m(), True))
+        f = report.failures[0] if report.failures else None
+        out.append(f"| `{make.name}` | {cls.upstream} | {cls.bug} | {f.contract if f else '**not detected**'} | "
+                   f"{report.examples_to_detection or '-'} | {dt:.1f} |")
+        print(make.name, f.contract if f else None, flush=True)
+    out += ["", f"Correct {label} (seed 0, every contract):", "", "| variant | passed | CPU s |", "|---|---|---|"]
+    for make in correct:
+        report, dt = _timed(lambda m=make: run(m(), False))
+        out.append(f"| `{make.name}` | {'yes' if report.passed else '**no**'} | {dt:.1f} |")
+        print(make.name, report.passed, flush=True)
+    return out + [""]
+
+
+def loader_moe_sections() -> list[str]:
+    from fp8ref.conformance import check_loader
+    from fp8ref.conformance.moe import check_moe
+
+    fast = get_profile("ci").with_(shrink=False)
+    out = ["## Weight loaders (docs/spec.md, loading): `check_loader`", "",
+           "`tests/mutants/loaders.py`: `check_loader(mutant, \"ci\", seed=0, fail_fast=True)` "
+           "(`tests/mutants/test_loaders.py` asserts seeds 0-7).", ""]
+    out += _catalogue_rows(LOAD_MUTANTS, LOAD_CORRECT,
+                           lambda b, ff: check_loader(b, "ci", seed=0, fail_fast=ff), "loaders")
+    out += ["## MoE (docs/spec.md §7): `check_moe`", "",
+            "`tests/mutants/moe.py`: `check_moe(mutant, \"ci\", seed=0, fail_fast=True)` "
+            "(`tests/mutants/test_moe_mutants.py` asserts the search alone on seeds 0-7 too).", ""]
+    out += _catalogue_rows(MOE_MUTANTS, MOE_CORRECT,
+                           lambda b, ff: check_moe(b, fast, seed=0, fail_fast=ff), "MoE backends")
     return out
 
 
@@ -208,6 +270,8 @@ def main(argv=None) -> int:
                     + ("" if label == "first" else " with sweep=False")]
         out.append("")
     out += calling_section(args.seeds)
+    out += third_party_section(args.seeds)
+    out += loader_moe_sections()
     with open(args.out, "w") as fh:
         fh.write("\n".join(out))
     print(f"wrote {args.out} in {total:.0f} s")

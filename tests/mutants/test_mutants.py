@@ -20,6 +20,8 @@ products, a correct implementation of each class reaches at least half of its bo
 implementation of the next weaker class is outside it.
 """
 
+from pathlib import Path
+
 import pytest
 
 from fp8ref.conformance import check, get_profile
@@ -29,6 +31,9 @@ from fp8ref.spec.bounds import Accumulation
 from .base import CLASSES
 from .catalogue import CALLING_CLASSES, CALLING_CORRECT, CALLING_MUTANTS, CORRECT, MUTANTS, claim_of
 from .ladder import LADDER, swamp_ratio
+from .loaders import LOAD_CORRECT, LOAD_MUTANTS
+from .moe import MOE_CORRECT, MOE_MUTANTS
+from .third_party import THIRD_PARTY
 
 PROFILE = get_profile("ci").with_(shrink=False)
 SEEDS = (0, 1, 2)
@@ -45,6 +50,16 @@ def test_catalogue_size():
     assert (Accumulation.FP32.unit_roundoff, None, 2) in declared  # standard: two output roundings
     assert (Accumulation.FP32.unit_roundoff, None, 3) in declared  # product, scale and bias rounded apart
     assert any(u == 2.0**-13 for u, _, _ in declared)  # fast
+
+
+def test_report_lists_the_catalogue():
+    """docs/mutants.md was generated from this catalogue (``python -m tests.mutants.make_report``):
+    every mutant, correct variant and third-party kernel of it has a row there."""
+    report = (Path(__file__).parents[2] / "docs" / "mutants.md").read_text()
+    catalogue = [c for group in (MUTANTS, CORRECT, CALLING_MUTANTS, CALLING_CORRECT, THIRD_PARTY, LOAD_MUTANTS,
+                                 LOAD_CORRECT, MOE_MUTANTS, MOE_CORRECT) for c in group]
+    missing = [c.name for c in catalogue if f"| `{c.name}` |" not in report]
+    assert not missing, f"docs/mutants.md lacks {missing}: run python -m tests.mutants.make_report"
 
 
 @pytest.mark.parametrize("cls", MUTANTS, ids=lambda c: c.name)

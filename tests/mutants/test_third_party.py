@@ -9,7 +9,8 @@ The default run certifies three of the kernels (one per rule: a NaN bias propaga
 the empty sum by the plain fp32 kernel, outputs near fp32's underflow by the pairwise sum, NaN/Inf
 in x propagated by the own quantizer) on seed 0; ``slow`` runs every kernel on seeds 0-7, the
 catalogue's correct variants on seeds 3-7 (``test_mutants.py`` runs seeds 0-2 by default), and
-``thorough`` on 3 seeds.
+``thorough`` on 3 seeds (the third-party kernels, the catalogue's correct variants on their claim,
+and the calling contract's correct variants on its contracts).
 """
 
 import pytest
@@ -22,6 +23,7 @@ from .catalogue import CALLING_CORRECT, CORRECT, claim_of
 from .third_party import THIRD_PARTY, OwnQuantizer, PairwiseSum, PlainDequantMatmul
 
 PROFILE = get_profile("ci").with_(shrink=False)
+THOROUGH = get_profile("thorough").with_(shrink=False)
 DEFAULT = (PlainDequantMatmul, PairwiseSum, OwnQuantizer)
 SEEDS = tuple(range(8))
 THOROUGH_SEEDS = (0, 1, 2)
@@ -69,5 +71,21 @@ def test_calling_contract_accepts_correct_variant_more_seeds(cls, seed):
 @pytest.mark.parametrize("seed", THOROUGH_SEEDS)
 @pytest.mark.parametrize("cls", THIRD_PARTY, ids=lambda c: c.name)
 def test_thorough_accepts_third_party_kernel(cls, seed):
-    report = check(cls(), get_profile("thorough").with_(shrink=False), seed=seed)
+    report = check(cls(), THOROUGH, seed=seed)
+    assert report.passed, report.to_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", THOROUGH_SEEDS)
+@pytest.mark.parametrize("cls", CORRECT, ids=lambda c: c.name)
+def test_thorough_accepts_correct_variant(cls, seed):
+    report = check(cls(), THOROUGH, seed=seed, ops=cls.changes, schemes=claim_of(cls))
+    assert report.passed, report.to_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", THOROUGH_SEEDS)
+@pytest.mark.parametrize("cls", CALLING_CORRECT, ids=lambda c: c.name)
+def test_thorough_calling_contract_accepts_correct_variant(cls, seed):
+    report = check(cls(), THOROUGH, seed=seed, contracts=CALLING_CONTRACT_NAMES, ops=cls.changes)
     assert report.passed, report.to_text()
