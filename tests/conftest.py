@@ -26,3 +26,19 @@ def _fixed_random_state(request):
     except ImportError:
         pass
     yield
+
+
+@pytest.fixture
+def isolated_selection(tmp_path, monkeypatch):
+    """The selector's disk cache in this test's own directory, no ``FP8REF_BACKEND``, and the
+    selector's and ``fp8ref.linear``'s in-memory tables empty before and after (modules that need
+    it use ``pytestmark = pytest.mark.usefixtures("isolated_selection")``)."""
+    from fp8ref import api
+    from fp8ref import select as sel
+
+    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
+    sel.clear_cache()
+    yield
+    sel.clear_cache()
+    api.clear_weight_cache()

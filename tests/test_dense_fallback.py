@@ -5,7 +5,6 @@ test depends on the machine's speed."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import pytest
@@ -17,17 +16,7 @@ import fp8ref
 from fp8ref import select as sel
 from fp8ref.select import dense
 
-L = sys.modules["fp8ref.api"]
-
-
-@pytest.fixture(autouse=True)
-def iso(tmp_path, monkeypatch):
-    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
-    sel.clear_cache()
-    yield
-    sel.clear_cache()
-    L.clear_weight_cache()
+pytestmark = pytest.mark.usefixtures("isolated_selection")
 
 
 def _linear(n=24, k=40, dtype=torch.bfloat16, seed=0) -> nn.Linear:

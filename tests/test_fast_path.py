@@ -12,17 +12,7 @@ from fp8ref.registry import backend_quantize, get_backend
 BACKENDS = ["cpu-fp8", "cpu-fp8-amx"]
 
 
-@pytest.fixture(autouse=True)
-def iso(tmp_path, monkeypatch):
-    from fp8ref import api
-    from fp8ref import select as sel
-
-    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
-    sel.clear_cache()
-    yield
-    sel.clear_cache()
-    api.clear_weight_cache()
+pytestmark = pytest.mark.usefixtures("isolated_selection")
 
 
 def _backend(name):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -12,17 +10,7 @@ import fp8ref
 from fp8ref import select as sel
 from fp8ref.spec import bounds
 
-L = sys.modules["fp8ref.api"]
-
-
-@pytest.fixture(autouse=True)
-def iso(tmp_path, monkeypatch):
-    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
-    sel.clear_cache()
-    yield
-    sel.clear_cache()
-    L.clear_weight_cache()
+pytestmark = pytest.mark.usefixtures("isolated_selection")
 
 
 class TinyLM(nn.Module):

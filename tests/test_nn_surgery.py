@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 import fp8ref
-from fp8ref import select as sel
 
-L = sys.modules["fp8ref.api"]
-
-
-@pytest.fixture(autouse=True)
-def iso(tmp_path, monkeypatch):
-    monkeypatch.setenv(sel.ENV_CACHE_DIR, str(tmp_path))
-    monkeypatch.delenv(sel.ENV_BACKEND, raising=False)
-    sel.clear_cache()
-    yield
-    sel.clear_cache()
-    L.clear_weight_cache()
+pytestmark = pytest.mark.usefixtures("isolated_selection")
 
 
 def _q(model: nn.Module, **kw) -> fp8ref.QuantizeSummary:

@@ -69,7 +69,7 @@ from ...check.common import Declined
 from ...check.loading import WeightLoader
 from ...spec.loading import Loaded
 from ...spec.schemes import QuantScheme
-from .vllm import _scaled_fp8_quant
+from .vllm import _scaled_fp8_quant, fused_layer_reason
 
 __all__ = ["SGLangFp8Loader", "loaders", "available"]
 
@@ -145,10 +145,9 @@ class SGLangFp8Loader(WeightLoader):
 
     def supports(self, layout, dtype):
         parts = layout.partitions
-        if self.kind == "qkv" and (len(parts) != 3 or parts[1] != parts[2]):
-            return "QKVParallelLinear holds three partitions q, k, v with len(k) == len(v)"
-        if self.kind == "merged" and len(parts) < 2:
-            return "MergedColumnParallelLinear holds two or more partitions"
+        reason = fused_layer_reason(self.kind, parts)
+        if reason:
+            return reason
         if self.mode == "block" and any(n % 128 for n in layout.local_partitions):
             return ("SGLang refuses a fused layer whose per-rank partition sizes are not multiples of block_n 128 "
                     "(validate_block_quant_shapes)")

@@ -65,6 +65,16 @@ def available() -> str | None:
     return None
 
 
+
+def fused_layer_reason(kind: str, parts) -> str | None:
+    """Why a fused layer of ``kind`` ("qkv", "merged"; vLLM's and SGLang's classes alike) cannot hold
+    the partition sizes ``parts``, or None."""
+    if kind == "qkv" and (len(parts) != 3 or parts[1] != parts[2]):
+        return "QKVParallelLinear holds three partitions q, k, v with len(k) == len(v)"
+    if kind == "merged" and len(parts) < 2:
+        return "MergedColumnParallelLinear holds two or more partitions"
+    return None
+
 class _Kernel:
     """The GEMM kernel stand-in: its weight post-processing is CUDA layout work, skipped."""
 
@@ -142,10 +152,9 @@ class VLLMFp8CheckpointLoader(WeightLoader):
         parts = layout.partitions
         if self.kind == "row" and len(parts) != 1:
             return "RowParallelLinear holds one partition"
-        if self.kind == "qkv" and (len(parts) != 3 or parts[1] != parts[2]):
-            return "QKVParallelLinear holds three partitions q, k, v with len(k) == len(v)"
-        if self.kind == "merged" and len(parts) < 2:
-            return "MergedColumnParallelLinear holds two or more partitions"
+        reason = fused_layer_reason(self.kind, parts)
+        if reason:
+            return reason
         if self.aligned and any(n % 128 for n in layout.local_partitions):
             return "narrowed: partitions that are multiples of 128 rows on the rank"
         if self.block and layout.parallel == "column" and layout.tp_size > 1 and any(

@@ -48,7 +48,7 @@ import torch
 from ...check.loading import WeightLoader
 from ...spec.loading import Loaded, source_slices
 from ...spec.schemes import QuantScheme
-from .vllm import _Kernel, _vllm_cpu
+from .vllm import _Kernel, _vllm_cpu, fused_layer_reason
 
 __all__ = ["VLLMOnlineFp8Loader", "loaders"]
 
@@ -115,10 +115,9 @@ class VLLMOnlineFp8Loader(WeightLoader):
 
     def supports(self, layout, dtype):
         parts = layout.partitions
-        if self.kind == "qkv" and (len(parts) != 3 or parts[1] != parts[2]):
-            return "QKVParallelLinear holds three partitions q, k, v with len(k) == len(v)"
-        if self.kind == "merged" and len(parts) < 2:
-            return "MergedColumnParallelLinear holds two or more partitions"
+        reason = fused_layer_reason(self.kind, parts)
+        if reason:
+            return reason
         return None
 
     def create(self, layout):
