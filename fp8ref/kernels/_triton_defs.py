@@ -30,41 +30,44 @@ def _rne_e4m3_bits(v):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, bad_ptr, K, G, n_groups, stride_x, stride_q,
-                  qmax, floor, tiny, STATIC: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _quant_kernel(x_ptr, q_ptr, s_ptr, bad_ptr, M, K, G, n_groups, stride_x, stride_q,
+                  qmax, floor, tiny, STATIC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # One program quantizes ROWS rows of one group (per-row: the whole row; per-tensor: a chunk of
+    # columns of at most G): a [ROWS, BLOCK] tile per step, one scale per row of the tile.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     grp = tl.program_id(1)
     k_start = grp * G
-    x_row = x_ptr + row.to(tl.int64) * stride_x
-    q_row = q_ptr + row.to(tl.int64) * stride_q
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    nbad = tl.zeros([BLOCK], dtype=tl.int32)
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_q
+    amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    nbad = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
     for off in range(0, G, BLOCK):
         local = off + tl.arange(0, BLOCK)
         cols = k_start + local
-        mask = (local < G) & (cols < K)
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mask = row_ok[:, None] & ((local < G) & (cols < K))[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         ax = tl.abs(x)
         # tl.maximum may drop NaN, so non-finite inputs are counted, and the host raises.
         nbad += ((ax != ax) | (ax == float("inf"))).to(tl.int32)
         amax = tl.maximum(amax, ax)
-    tl.store(bad_ptr + row * n_groups + grp, tl.sum(nbad, axis=0))
+    tl.store(bad_ptr + rows * n_groups + grp, tl.sum(nbad, axis=1), mask=row_ok)
     if STATIC:
-        s = tl.load(s_ptr)
+        s = tl.zeros([ROWS], dtype=tl.float32) + tl.load(s_ptr)
     else:
         # div_rn: "/" on fp32 compiles to an approximate division on CUDA; the spec divides exactly.
-        s = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), floor), qmax)
+        s = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), floor), tl.zeros([ROWS], dtype=tl.float32) + qmax)
         s = tl.where(s == 0.0, 1.0, s)
         s = tl.maximum(s, tiny)
-        tl.store(s_ptr + row * n_groups + grp, s)
+        tl.store(s_ptr + rows * n_groups + grp, s, mask=row_ok)
     for off in range(0, G, BLOCK):
         local = off + tl.arange(0, BLOCK)
         cols = k_start + local
-        mask = (local < G) & (cols < K)
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, tl.zeros([BLOCK], dtype=tl.float32) + s)
+        mask = row_ok[:, None] & ((local < G) & (cols < K))[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, tl.zeros([ROWS, BLOCK], dtype=tl.float32) + s[:, None])
         v = tl.minimum(tl.maximum(v, -qmax), qmax)
-        tl.store(q_row + cols, _rne_e4m3_bits(v), mask=mask)
+        tl.store(q_rows + cols[None, :], _rne_e4m3_bits(v), mask=mask)
 
 
 @triton.jit

@@ -3,7 +3,9 @@
 Kernels (defined on first use, so ``TRITON_INTERPRET`` is read then, not at import):
 
 ``quantize``
-    One program per (row, group): amax over the group in fp32, ``s = max(amax, floor) / qmax``
+    One program per (tile of rows, group), the tile at most ``_MAX_TILE`` elements per step (a
+    program per row made the interpreter pay milliseconds per row): per row, amax over the group
+    in fp32, ``s = max(amax, floor) / qmax``
     with a correctly rounded division (``div_rn``), ``v = div_rn(x, s)``, clamp, and the
     round-to-nearest-even to E4M3FN done with *integer* operations on the fp32 bit pattern
     (``_rne_e4m3_bits``). Per-token is one group of width K, per-group 1 x G; per-tensor gets its
@@ -51,6 +53,7 @@ __all__ = ["TritonBackend", "triton_quantize", "triton_scaled_mm", "interpreting
 CUDA_ACCUMULATION = Accumulation("fp8-tc-promote32", 2.0**-13, promote_every=32)
 
 _MAX_CHUNK = 1024  #: columns a quantize program loads at once
+_MAX_TILE = 4096  #: elements (rows x columns) a quantize program loads at once
 _SEG_WIDTHS = (16, 32, 64, 128, 256)
 
 
@@ -171,10 +174,11 @@ def triton_quantize(x: torch.Tensor, scheme: QuantScheme) -> Quantized:
     q = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
     bad = torch.empty(rows, n_groups, dtype=torch.int32, device=x.device)
     block = _pow2_at_least(min(G, cols), 16, _MAX_CHUNK)
+    tile_rows = _pow2_at_least(rows, 1, max(1, _MAX_TILE // block))
     with _launching():
-        k._quant_kernel[(rows, n_groups)](x, q, s, bad, cols, G, n_groups, x.stride(0), q.stride(0),
-                                  scheme.qmax, scheme.amax_floor, float(torch.finfo(torch.float32).tiny),
-                                  STATIC=static, BLOCK=block)
+        k._quant_kernel[(-(-rows // tile_rows), n_groups)](
+            x, q, s, bad, rows, cols, G, n_groups, x.stride(0), q.stride(0), scheme.qmax, scheme.amax_floor,
+            float(torch.finfo(torch.float32).tiny), STATIC=static, ROWS=tile_rows, BLOCK=block)
     if bool(bad.any()):
         check_float_input(x)
     return Quantized(q.view(scheme.format.torch_dtype), s, scheme, 0)
