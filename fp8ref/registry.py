@@ -307,6 +307,20 @@ class Backend:
         """
         return None
 
+    def bind_watched_linear(self, w: Any, scheme: QuantScheme, out_dtype: torch.dtype, watch: Any) -> Callable | None:
+        """Optional warm-path hook: ``bind_linear``'s call that also checks, in its own code, that
+        the plan still holds: a callable ``fn(x, bias, weight, scale)``, or None (the default).
+
+        ``watch`` (``fp8ref.api.plans.Watch``) says what the plan was built for: x's dtype, the
+        range of x's rows (the plan's M bucket), the layer's weight tensors (codes, scales) with
+        their versions, and under ``weight_check="sample"`` the sample's byte ranges and bytes
+        (``MemorySample.byte_ranges``). ``fn`` returns what ``bind_linear``'s call returns, or None
+        (and computes nothing) unless x has that dtype and row count, no gradient is wanted, the
+        ``weight`` and ``scale`` passed have the storage, version, sizes and strides watched, the
+        sampled bytes are unchanged, and the backend's own kernel settings are those of binding.
+        ``Fp8Linear``'s warm call is then ``fn`` alone (``fp8ref.api.plans.LayerPlans.run``)."""
+        return None
+
     def prepare_weight(self, w: Quantized) -> Any:
         """Optional load-time hook: turn a quantized weight into whatever ``scaled_mm`` is fastest
         with (a layout change, a wider copy). The default keeps the Quantized as is. A backend that

@@ -10,12 +10,14 @@ copy). docs/selection.md, "Weights changed in place", gives what each sees and c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _env
 from .spec.quant import Quantized
 
-__all__ = ["WEIGHT_CHECKS", "SAMPLE_ROWS", "ENV_WEIGHT_CHECK", "MemorySample", "tensor_version", "pair_version",
+__all__ = ["WEIGHT_CHECKS", "SAMPLE_ROWS", "ENV_WEIGHT_CHECK", "MemorySample", "Watch", "tensor_version", "pair_version",
            "weight_check_mode"]
 
 #: How ``fp8ref.linear`` notices that a cached weight changed: ``"sample"`` (default: identity,
@@ -125,6 +127,31 @@ class MemorySample:
             self.views = views
             self.kept = [v.clone() for v in views]
 
+    def byte_ranges(self) -> tuple[list[int], list[int], bytes] | None:
+        """The sample as byte ranges for a compiled check (``Backend.bind_watched_linear``):
+        ``(addresses, lengths, expected)``, one range per contiguous view and one per element of
+        any other, ``expected`` the bytes they held when the sample was taken, in order; None for a
+        sample of device memory. The addresses lie in the sampled tensors' storage, which the
+        views keep alive as long as this sample lives."""
+        if not self.cpu:
+            return None
+        import numpy
+
+        addrs: list[int] = []
+        lens: list[int] = []
+        for v in self.views:
+            base = v.__array_interface__["data"][0]
+            if v.flags.c_contiguous:
+                addrs.append(base)
+                lens.append(v.nbytes)
+                continue
+            offs = numpy.zeros((), dtype=numpy.int64)
+            for n, st in zip(v.shape, v.strides, strict=True):  # C order: tobytes' order
+                offs = offs[..., None] + numpy.arange(n, dtype=numpy.int64) * st
+            addrs.extend((base + offs.reshape(-1)).tolist())
+            lens.extend([v.itemsize] * v.size)
+        return addrs, lens, b"".join(self.kept)
+
     def same(self) -> bool:
         """Whether the sampled memory still holds the values it held when the sample was taken."""
         if self.cpu:
@@ -162,6 +189,29 @@ def _sample_views(t: torch.Tensor) -> list[torch.Tensor]:
     if rem:
         views.append(t.as_strided((rem,), (q * s0 + s1,), off + B * C * q * s0))
     return views + [t[-1:, -1]]
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """What a plan holds for, handed to ``Backend.bind_watched_linear`` so that the backend's bound
+    call checks it itself: x's dtype and rows (the plan's M bucket), the weight's tensors (codes,
+    scales) as the layer holds them with their versions (their storage pointers, sizes and strides
+    are read at binding), and under ``weight_check="sample"`` the sample's byte ranges
+    (``MemorySample.byte_ranges``)."""
+
+    x_dtype: torch.dtype
+    m_lo: int
+    m_hi: int
+    tensors: tuple
+    versions: tuple
+    sampled: bool  #: whether the plan's weight check holds a ``MemorySample``
+    byte_ranges: tuple | None  #: ``MemorySample.byte_ranges()``: None without a sample or for device memory
+
+    @classmethod
+    def of(cls, tensors: tuple, sample: MemorySample | None, x_dtype: torch.dtype, m_lo: int, m_hi: int) -> Watch:
+        """The watch of ``tensors`` as they are now."""
+        return cls(x_dtype, m_lo, m_hi, tuple(tensors), tuple(tensor_version(t) for t in tensors),
+                   sample is not None, None if sample is None else sample.byte_ranges())
 
 
 def weight_check_mode(weight_check: str | None) -> str:

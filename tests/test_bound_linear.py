@@ -124,10 +124,10 @@ def test_warm_fp8linear_runs_the_bound_call(bias, monkeypatch, tmp_path):
         with torch.no_grad():
             y = q(x)
             p = q.plan(x)
-            assert p is not None and p.fast is not None
+            assert p is not None and p.fast is not None and p.watched is not None
             calls = []
-            fast = p.fast
-            object.__setattr__(p, "fast", lambda x2, b: calls.append(1) or fast(x2, b))
+            watched = p.watched
+            object.__setattr__(p, "watched", lambda *a: calls.append(1) or watched(*a))
             y2 = q(x)
             assert calls == [1]
             want = p.backend.linear(x.reshape(-1, 64), p.prepared, q.bias, p.out_dtype, p.scheme).reshape(3, 5, 48)
@@ -176,6 +176,39 @@ class _BoundDoubleRounding(CpuFp8Backend):
         return lambda x, bias: (lambda y: None if y is None else y.to(torch.float16).to(out_dtype))(fn(x, bias))
 
 
+class _WatchIgnored(CpuFp8Backend):
+    """A watched call that checks nothing: the bound call whatever the weight (what a fast path
+    that caches its operands gets wrong)."""
+
+    name = "mutant-watch-ignored"
+
+    def bind_watched_linear(self, w, scheme, out_dtype, watch):
+        fn = self.bind_linear(w, scheme, out_dtype)
+        return None if fn is None else (lambda x, bias, weight, scale: fn(x, bias))
+
+
+class _WatchRowsOnly(CpuFp8Backend):
+    """A watched call that checks x's rows but not the weight (a stale packed copy after a write)."""
+
+    name = "mutant-watch-rows-only"
+
+    def bind_watched_linear(self, w, scheme, out_dtype, watch):
+        fn = self.bind_linear(w, scheme, out_dtype)
+        if fn is None:
+            return None
+        return lambda x, bias, weight, scale: fn(x, bias) if watch.m_lo <= x.numel() // x.shape[-1] <= watch.m_hi \
+            else None
+
+
+def test_linear_matches_two_calls_checks_the_watched_call():
+    from fp8ref.conformance import check
+
+    _backend()
+    for mutant, says in ((_WatchIgnored, "rows; it watches"), (_WatchRowsOnly, "sampled weight byte changed")):
+        rep = check(mutant(), "ci", seed=0, contracts=["linear.matches_two_calls"])
+        assert not rep.passed and "watched call" in rep.to_text() and says in rep.to_text(), rep.to_text()
+
+
 def test_linear_matches_two_calls_checks_the_bound_call():
     from fp8ref.conformance import check
 
@@ -211,3 +244,119 @@ def test_amx_bound_call_is_linear_bit_for_bit(recipe, monkeypatch):
             assert got is not None and torch.equal(_bits(got), _bits(want)), (out_dtype, M)
     be.emulate = False  # the kernel the binding chose is no longer the one linear runs: hand back
     assert fn(torch.randn(2, K), None) is None
+
+
+def _watched_layer(weight_check="sample", bias=False, N=48, K=64):
+    _backend()
+    lin = torch.nn.Linear(K, N, bias=bias, dtype=torch.bfloat16)
+    return fp8ref.Fp8Linear.from_linear(lin, backend="cpu-fp8", weight_check=weight_check)
+
+
+def _spy(q, x):
+    """The plan of x's case, its watched call counting the calls that it computes."""
+    p = q.plan(x)
+    assert p is not None and p.watched is not None
+    computed = []
+    watched = p.watched
+
+    def spy(*a):
+        y = watched(*a)
+        if y is not None:
+            computed.append(1)
+        return y
+
+    object.__setattr__(p, "watched", spy)
+    return computed
+
+
+@pytest.mark.parametrize("weight_check", ["sample", "version"])
+def test_watched_call_sees_what_the_plan_check_sees(weight_check, isolated_selection):
+    """The warm ``Fp8Linear`` call is the watched call alone; it hands back (the layer then plans
+    again, as ``Plan.current`` decides) after each change the weight check sees, and the layer's
+    output is then the changed layer's, bit for bit."""
+    q = _watched_layer(weight_check)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        q(x)
+        computed = _spy(q, x)
+        q(x)
+        assert computed == [1]
+        changes = [lambda: q.weight_scale.mul_(2),  # a version bump
+                   lambda: setattr(q, "weight_scale", q.weight_scale.clone())]  # another tensor
+        if weight_check == "sample":  # writes torch does not count: the sample sees them
+            changes += [lambda: q.weight_scale.data.mul_(0.5),
+                        lambda: q.weight.data.view(torch.uint8).numpy().__setitem__((0, 0), 0x38)]
+        for i, change in enumerate(changes):
+            change()
+            y = q(x)
+            qw = q.quantized_weight()
+            fresh = fp8ref.Quantized(qw.data.clone(), qw.scale.clone(), qw.scheme)
+            want = fp8ref.linear(x, fresh, None, recipe=q.recipe, backend="cpu-fp8")
+            assert torch.equal(_bits(y), _bits(want)), f"change {i}"
+            computed = _spy(q, x)  # the new plan is watched again
+            q(x)
+            assert computed == [1], f"change {i}"
+
+
+def test_watched_call_hands_back_other_cases(isolated_selection):
+    """x of another dtype or M bucket, grad mode with an input that requires grad, and a change
+    of the backend's kernel settings: the watched call computes nothing."""
+    q = _watched_layer(bias=True)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        q(x)
+    p = q.plan(x)
+    w, s = q.weight, q.weight_scale
+    with torch.no_grad():
+        assert p.watched(x, q.bias, w, s) is not None
+        assert p.watched(torch.randn(3, 64, dtype=torch.bfloat16), q.bias, w, s) is None  # bucket 4
+        assert p.watched(torch.randn(1, 64, dtype=torch.bfloat16), q.bias, w, s) is None  # bucket 1
+        assert p.watched(x.float(), q.bias, w, s) is None
+        assert p.watched(x.reshape(1, 2, 64), q.bias, w, s) is not None  # rows are all but the last dim
+    assert p.watched(x.requires_grad_(), q.bias, w, s) is None
+    with torch.no_grad():
+        x = x.detach()
+        be = p.backend
+        isa = be.__dict__.get("isa")
+        be.isa = isa  # the same value: still a change of setting, so the call hands back
+        try:
+            assert p.watched(x, q.bias, w, s) is None
+        finally:
+            if isa is None:
+                del be.isa
+            else:
+                be.isa = isa
+
+
+def test_watched_call_guards_its_construction():
+    """``BoundLinear`` checks what it keeps (RuntimeError, never a crash)."""
+    from fp8ref.kernels import native
+
+    be = _backend()
+    mod = native.loaded()
+    w = _weight(be, 16, 32, fp8ref.W8A8_FP8)
+    fast_args = be._bound_args(w, fp8ref.W8A8_FP8.activation, torch.bfloat16)
+    assert fast_args is not None
+    _, args, tail = fast_args
+    codes = torch.zeros(16, 32, dtype=torch.uint8)
+    i64 = torch.zeros(0, dtype=torch.int64)
+    good = dict(epoch=torch.zeros(1, dtype=torch.int64), watched=[codes], versions=[0], addr=i64, lens=i64,
+                expected=torch.zeros(0, dtype=torch.uint8))
+
+    def make(**kw):
+        a = {**good, **kw}
+        return mod.BoundLinear(*args, *tail, 1, 1, 1, a["epoch"], a["watched"], a["versions"], a["addr"], a["lens"],
+                               a["expected"])
+
+    assert make() is not None
+    assert make(addr=torch.tensor([codes.data_ptr() + 500]), lens=torch.tensor([12]),
+                expected=codes.reshape(-1)[500:].clone()).current([codes])
+    for kw in [{"epoch": torch.zeros(2, dtype=torch.int64)}, {"epoch": torch.zeros(1)}, {"versions": []},
+               {"addr": torch.zeros(1, dtype=torch.int64)}, {"lens": torch.ones(1, dtype=torch.int64),
+                                                            "addr": torch.zeros(1, dtype=torch.int64)},
+               {"expected": torch.zeros(3, dtype=torch.uint8)},
+               {"addr": torch.tensor([codes.data_ptr() + 500]), "lens": torch.tensor([13]),  # past the storage
+                "expected": torch.zeros(13, dtype=torch.uint8)},
+               {"addr": torch.tensor([8]), "lens": torch.tensor([1]), "expected": torch.zeros(1, dtype=torch.uint8)}]:
+        with pytest.raises(RuntimeError):
+            make(**kw)

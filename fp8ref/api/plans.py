@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref as _weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import replace as _replace
 from math import prod as _prod
 
 import torch
@@ -23,13 +24,14 @@ import torch
 from .. import select as _select
 from ..registry import Backend as _Backend
 from ..registry import Case as _Case
-from ..select.keys import m_bucket
+from ..select import generation as _generation
+from ..select.keys import bucket_lo, m_bucket
 from ..spec.checks import check_call, check_values, check_weight, check_x
 from ..spec.fenv import flushing as _flushing
 from ..spec.fenv import ieee_subnormals as _ieee_subnormals
 from ..spec.quant import Quantized, quantize
 from ..spec.schemes import QuantScheme, Recipe
-from ..weightcheck import MemorySample, pair_version
+from ..weightcheck import MemorySample, Watch, pair_version
 from ..weightcheck import snapshot as _snapshot
 from ..weightcheck import version as _version
 from ..weightcheck import weight_check_mode as _weight_check
@@ -99,6 +101,9 @@ class Plan:
     #: ``backend.bind_linear(prepared, scheme, out_dtype)``: the warm call, ``fast(x2, bias)``, or
     #: None (``backend.linear``); a None result hands that call to ``backend.linear``
     fast: object = None
+    #: ``backend.bind_watched_linear(...)`` (``LayerPlans`` only): ``fast`` that also checks that
+    #: this plan holds (``Watch``), ``watched(x, bias, weight, scale)``; None where not bound
+    watched: object = None
 
     def current(self, version: tuple) -> bool:
         """Whether the plan still holds for a weight whose ``version`` (``weightcheck.version``) is
@@ -169,6 +174,22 @@ def _bind(b: _Backend, prepared: object, scheme: QuantScheme, out_dtype: torch.d
     return fast if callable(fast) else None
 
 
+def _bind_watched(p: Plan, key: tuple, weight: torch.Tensor, weight_scale: torch.Tensor):
+    """``p.backend.bind_watched_linear(...)`` for a plan of ``LayerPlans`` (key: M bucket, x's
+    dtype, device), or None: where the backend binds none, where binding fails, and where the
+    weight is no longer the entry's (its version moved since the entry was built)."""
+    e = p.entry
+    if e.check not in ("sample", "version") or pair_version(weight, weight_scale) != e.version:
+        return None
+    bucket, x_dtype, _ = key
+    watch = Watch.of((weight, weight_scale), e.sample, x_dtype, bucket_lo(bucket), bucket)
+    try:
+        fn = p.backend.bind_watched_linear(p.prepared, p.scheme, p.out_dtype, watch)
+    except Exception:
+        return None
+    return fn if callable(fn) else None
+
+
 class LayerPlans:
     """The plans of one quantized weight held as two tensors (codes ``[N, K]``, dequantization
     scales) under one layer's settings: what ``Fp8Linear`` and ``torch.ops.fp8ref.linear`` hold.
@@ -183,7 +204,8 @@ class LayerPlans:
     under ``"auto"``).
     """
 
-    __slots__ = ("recipe", "backend", "precision", "out_dtype", "candidates", "weight_check", "entry", "plans")
+    __slots__ = ("recipe", "backend", "precision", "out_dtype", "candidates", "weight_check", "entry", "plans",
+                 "last")
 
     def __init__(self, recipe: Recipe, backend: str = "auto", precision: str = "standard",
                  out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
@@ -192,12 +214,22 @@ class LayerPlans:
         self.candidates, self.weight_check = candidates, weight_check
         self.entry: WeightEntry | None = None
         self.plans: dict[tuple, Plan] = {}
+        #: the plan last run with a ``watched`` call: tried first (it checks its own case)
+        self.last: Plan | None = None
 
     def run(self, x, weight: torch.Tensor, weight_scale: torch.Tensor, bias) -> torch.Tensor | None:
         """``fp8ref.linear(x, Quantized(weight, weight_scale), bias, ...)`` by the plan of x's case,
         or None (see the class)."""
         if type(x) is not torch.Tensor:
             return None
+        p = self.last
+        if p is not None and p.bias is bias and p.generation == _generation():
+            try:  # the watched call checks the rest of the case and the plan itself (Watch)
+                y = p.watched(x, bias, weight, weight_scale)
+            except Exception:
+                y = None
+            if y is not None:
+                return y
         shape = x.shape
         nd = len(shape)
         if nd == 2:
@@ -217,6 +249,8 @@ class LayerPlans:
                 return None
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             return None
+        if p.watched is not None:
+            self.last = p
         try:
             if _flushing():  # subnormals kept whatever the thread flushes (inline, not @ieee: the warm path)
                 with _ieee_subnormals():
@@ -245,6 +279,7 @@ class LayerPlans:
                weight_scale: torch.Tensor, bias) -> Plan | None:
         """Check the call as ``fp8ref.linear`` does and plan it; on any error, plan nothing."""
         self.plans.pop(key, None)
+        self.last = None
         try:
             e = self.entry
             if e is None or not e.current(pair_version(weight, weight_scale)):
@@ -258,6 +293,7 @@ class LayerPlans:
             check_values(x, bias)
             cands = check_candidates(self.candidates)
             p = make_plan(e, Request(x, x2, bias, od, self.backend, self.precision, cands), bias)
+            p = _replace(p, watched=_bind_watched(p, key, weight, weight_scale))
         except Exception:  # fp8ref.linear, called next, raises it with its own wording
             return None
         self.plans[key] = p

@@ -186,7 +186,53 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
                                     f"{tuple(y1.shape)} {y1.dtype}")
         if not same_bits(y3, y1):
             raise ContractViolation(f"the bound call (bind_linear) differs from linear: {first_diff(y3, y1)}")
+    if scale is None:
+        _check_watched_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, qw, y1)
     return 0.0
+
+
+def _check_watched_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, qw: Quantized, y1) -> None:
+    """The watched call (``Backend.bind_watched_linear``), where the backend binds one: ``linear``'s
+    bits on the weight it watches, and None (nothing computed) once that weight's version moved or
+    a sampled byte changed behind torch's back, or for x outside the watched rows."""
+    from ..weightcheck import MemorySample, Watch
+
+    codes, scales = qw.data.clone(), qw.scale.clone()  # the layer's tensors, which the call watches
+    rows = x.shape[0]
+    with backend_threads():
+        dev_codes, dev_scales = to_backend_device(codes), to_backend_device(scales)
+        sample = MemorySample(dev_codes, (dev_scales,))
+        watch = Watch.of((dev_codes, dev_scales), sample, x.dtype, rows, rows)
+        fn = backend.bind_watched_linear(prepared, scheme, out_dtype, watch)
+        if fn is None:
+            return
+        dx, db = to_backend_device(x), to_backend_device(bias)
+        y = fn(dx, db, dev_codes, dev_scales)
+        if y is None:
+            return
+        y = to_host(y)
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(y1.shape) or y.dtype != y1.dtype:
+            raise ContractViolation(f"the watched call (bind_watched_linear) returned {type(y).__name__} "
+                                    f"{tuple(getattr(y, 'shape', ()))} {getattr(y, 'dtype', '')}, linear "
+                                    f"{tuple(y1.shape)} {y1.dtype}")
+        if not same_bits(y, y1):
+            raise ContractViolation(f"the watched call (bind_watched_linear) differs from linear: {first_diff(y, y1)}")
+        more = torch.cat([dx, dx[:1]]) if rows else dx
+        if fn(more, db, dev_codes, dev_scales) is not None:
+            raise ContractViolation(f"the watched call (bind_watched_linear) computed {more.shape[0]} rows; it "
+                                    f"watches {rows} to {rows} (it must return None)")
+        if dev_codes.device.type == "cpu" and dev_codes.numel():
+            raw = dev_codes.view(torch.uint8).numpy()  # a write torch does not count (no version bump)
+            raw[0, 0] ^= 1  # the sample's first element
+            changed = fn(dx, db, dev_codes, dev_scales)
+            raw[0, 0] ^= 1
+            if changed is not None:
+                raise ContractViolation("the watched call (bind_watched_linear) computed after a sampled weight "
+                                        "byte changed behind torch's back (it must return None)")
+        dev_scales.add_(0)  # a version bump, same values
+        if fn(dx, db, dev_codes, dev_scales) is not None:
+            raise ContractViolation("the watched call (bind_watched_linear) computed after the scales' version "
+                                    "moved (it must return None)")
 
 
 def _bound_linear(backend: Backend, x, prepared, bias, out_dtype, scheme):

@@ -274,6 +274,45 @@ class CpuFp8Backend(Backend):
         scheme, the extension not loaded). The bound call hands a case back (None) where ``linear``
         would leave its fast path, and when the settings that pick the kernel (``_bind_state``)
         changed since binding."""
+        bound = self._bound_args(w, scheme, out_dtype)
+        if bound is None:
+            return None
+        fn, args, tail = bound
+        sb = args[-1]
+        state = self._bind_state()
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+            if self._bind_state() != state:
+                return None
+            if bias is None:
+                return fn(x, *args, sb, False, *tail)
+            return fn(x, *args, bias, True, *tail)
+
+        return run
+
+    def bind_watched_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype, watch):
+        """``bind_linear``'s call with the plan's checks in the extension too (``BoundLinear`` in
+        csrc/linear.cpp: x's dtype and rows, grad mode, the weight tensors' pointers, versions,
+        sizes and strides, the sample's bytes, and this backend's kernel settings through
+        ``_epoch``, a counter ``__setattr__`` bumps): one call from Python per warm layer call."""
+        bound = self._bound_args(w, scheme, out_dtype)
+        mod = native.loaded()
+        if bound is None or mod is None or not hasattr(mod, "BoundLinear") or watch.x_dtype not in _OUT:
+            return None
+        _, args, tail = bound
+        ranges = watch.byte_ranges
+        addrs, lens, expected = ranges if ranges is not None else ([], [], b"")
+        if ranges is None and watch.sampled:
+            return None  # a sample of device memory: not this backend's case
+        return mod.BoundLinear(*args, *tail, _OUT.index(watch.x_dtype), watch.m_lo, watch.m_hi, self._epoch,
+                               list(watch.tensors), list(watch.versions), torch.tensor(addrs, dtype=torch.int64),
+                               torch.tensor(lens, dtype=torch.int64),
+                               torch.frombuffer(bytearray(expected), dtype=torch.uint8) if expected
+                               else torch.empty(0, dtype=torch.uint8))
+
+    def _bound_args(self, w, scheme: QuantScheme, out_dtype: torch.dtype) -> tuple | None:
+        """``(fp8_linear, its arguments up to sb, its arguments from isa)`` for one prepared weight,
+        or None where the bound path does not apply."""
         b, extra = unwrap(w, self.name)
         sb, codes = extra.get("sb"), extra.get("codes")
         mod = native.loaded()
@@ -284,20 +323,31 @@ class CpuFp8Backend(Backend):
         if kernel is None:
             return None
         pb, special, isa, rows = kernel
-        state = self._bind_state()
         args = (scheme.granularity is Granularity.TENSOR, scheme.qmax, scheme.amax_floor, *native_format_args(scheme),
                 scheme.pow2_scale, codes, pb, special, sb)
-        tail = (isa, rows, _OUT.index(out_dtype))
-        fn = mod.fp8_linear
+        return mod.fp8_linear, args, (isa, rows, _OUT.index(out_dtype))
 
-        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-            if self._bind_state() != state:
-                return None
-            if bias is None:
-                return fn(x, *args, sb, False, *tail)
-            return fn(x, *args, bias, True, *tail)
+    #: Names whose change changes the kernel that runs (``_bind_state``): setting one bumps ``_epoch``.
+    _KERNEL_SETTINGS = ("isa", "bf16_dot", "emulate")
 
-        return run
+    @property
+    def _epoch(self) -> torch.Tensor:
+        """A one-element int64 counter of this instance's kernel-setting changes, read by the
+        bound calls of ``bind_watched_linear`` in the extension."""
+        cell = self.__dict__.get("_epoch_cell")
+        if cell is None:
+            cell = self.__dict__["_epoch_cell"] = torch.zeros(1, dtype=torch.int64)
+        return cell
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in self._KERNEL_SETTINGS:
+            self._epoch.add_(1)
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        if name in self._KERNEL_SETTINGS:
+            self._epoch.add_(1)
 
     def _bind_state(self) -> tuple:
         """The settings that pick this backend's kernel (tests force them on the shared instance)."""

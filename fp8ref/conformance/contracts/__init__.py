@@ -237,8 +237,9 @@ CONTRACTS: tuple[Contract, ...] = (
              "quantize x and w, scaled_mm: within the end-to-end bound of the unquantized float64 linear",
              "linear_error_bound", _lp, check_linear_bound, _L_EX),
     Contract("linear.matches_two_calls", "linear", "exact",
-             "the fused Backend.linear hook (and a bound warm call, Backend.bind_linear) returns "
-             "scaled_mm(quantize(x)) bit for bit",
+             "the fused Backend.linear hook (and a bound warm call, Backend.bind_linear and "
+             "bind_watched_linear) returns scaled_mm(quantize(x)) bit for bit; a watched call returns None "
+             "for rows outside its watch, a changed sampled weight byte and a moved version",
              "bit-exact", _lp, check_linear_matches_two_calls, _L_EX, secondary=True,
              requires=("quantize", "scaled_mm")),
     Contract("quantize.exact_on_pow2_scale", _Q, "exact",
