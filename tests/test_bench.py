@@ -607,3 +607,24 @@ def test_decode_gemv_is_a_fraction_of_a_read_stream():
     line = format_gemv(r)
     assert "% of a read-only stream over the same bytes" in line and "not a memory figure" in line
     assert format_gemv(r) in bench.format_report({"meta": {}, "gemv": r})
+    u = bench_gemv(shapes=[(64, 32)], backend="reference", repeat=1, budget_s=0.1, codes="uniform")
+    assert u["codes"] == "uniform" and "worst case" in format_gemv(u)
+    assert format_gemv(u) in bench.format_report({"meta": {}, "gemv": r, "gemv_uniform": u})
+
+
+def test_decode_gemv_weights_are_those_of_a_quantized_model():
+    """The GEMV's codes are ``fp8ref.quantize`` of normal rows (few zero/subnormal codes), the
+    worst case's uniform over the finite codes; both finite, made a block of rows at a time."""
+    from fp8ref.bench.gemv import _random_weight
+    from fp8ref.kernels.cpu_fp8 import pack_weight
+
+    g = torch.Generator().manual_seed(0)
+    q = _random_weight(1040, 4096, g)  # blocks of 1024 rows at K = 4096, the last one short; N % 16 == 0
+    u = _random_weight(1040, 4096, g, "uniform")  # (pack_weight pads N with zero codes: special groups)
+    for w in (q, u):
+        codes = w.data.view(torch.uint8)
+        assert not bool(((codes & 0x7F) == 0x7F).any()) and bool(torch.isfinite(w.scale).all())
+    special = [pack_weight(w.data.view(torch.uint8))[1].float().mean().item() for w in (q, u)]
+    assert special[0] < 0.02 and special[1] > 0.8, special
+    with pytest.raises(ValueError, match="codes"):
+        _random_weight(2, 2, g, "gaussian")

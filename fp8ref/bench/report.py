@@ -81,6 +81,8 @@ def format_report(res: dict) -> str:
                    f"bf16 GEMM peak {res['bf16_peak']['gflops']:.1f} GFLOP/s (n={res['bf16_peak']['n']}){tag}")
     if res.get("gemv"):
         out.append("\n" + format_gemv(res["gemv"]))
+        if res.get("gemv_uniform"):
+            out.append(format_gemv(res["gemv_uniform"]))
     if res.get("quant"):
         out.append(f"\nquantization (GB/s = input read + codes and scales written; % of memory copy){tag}")
         out.append("  (% paired: against a copy timed in back-to-back rounds with it, immune to bandwidth drift)")

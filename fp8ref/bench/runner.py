@@ -173,6 +173,9 @@ def run(device: str = "cpu", *, quick: bool = False, backends_only: Sequence[str
         log("decode GEMV against a read-only stream")
         res["gemv"] = bench_gemv(device, LLAMA8B_LAYER[:1] if quick else LLAMA8B_LAYER, repeat=repeat,
                                  budget_s=budget, log=log)
+        if not quick:  # the worst case of the kernels that decode zero/subnormal groups apart
+            res["gemv_uniform"] = bench_gemv(device, LLAMA8B_LAYER, repeat=repeat, budget_s=budget, log=log,
+                                             codes="uniform")
     if "reference" in sections:
         log("reference")
         res["reference"] = bench_reference(device, repeat=1 if quick else 3, budget_s=3.0 if quick else 6.0,
