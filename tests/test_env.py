@@ -53,6 +53,15 @@ def test_every_variable_in_the_code_is_declared_and_every_declared_one_is_read()
     assert declared - set(mentioned) == set()
 
 
+def test_the_readme_names_declared_variables_and_how_many_there_are():
+    """README.md lists the most used variables and points to docs/environment.md for all: every
+    name it gives is declared, and the count it states is the declarations'."""
+    readme = (ROOT / "README.md").read_text()
+    declared = {v.name for v in _env.VARIABLES}
+    assert set(re.findall(r"\bFP8REF_[A-Z0-9_]+[A-Z0-9]", readme)) <= declared
+    assert f"all {len(declared)} `FP8REF_*` variables" in readme and "docs/environment.md" in readme
+
+
 def test_no_fp8ref_variable_is_read_around_the_module():
     """``os.environ`` reads of an ``FP8REF_*`` name by its literal go through ``_env.get``."""
     raw = re.compile(r"environ(?:\.get\(|\[)\s*[\"']FP8REF_")
