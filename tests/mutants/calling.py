@@ -11,6 +11,7 @@ are kernel habits, not a single upstream report.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -230,6 +231,11 @@ def _scratch_mm(a: Quantized, b: Quantized, bias, out_dtype, scratch: dict) -> t
     if buf is None:
         buf = scratch[key] = torch.empty(a.data.shape, dtype=torch.float32)
     buf.copy_(a.data.to(torch.float32))
+    # The window between writing the workspace and reading it back, where a kernel that releases
+    # the GIL lets other threads run: opened explicitly, so that the race shows whatever else the
+    # machine runs (with only the torch op below there, a loaded machine let it pass the threads
+    # contract on 2 of seeds 3-7).
+    time.sleep(0)
     wide = Quantized(b.data.to(torch.float32).to(b.data.dtype), b.scale, b.scheme)
     a_back = Quantized(buf.to(a.data.dtype), a.scale, a.scheme)
     return fp32_mm(a_back, wide, bias, out_dtype)
