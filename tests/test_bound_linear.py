@@ -298,6 +298,36 @@ def test_watched_call_sees_what_the_plan_check_sees(weight_check, isolated_selec
             assert computed == [1], f"change {i}"
 
 
+@pytest.mark.parametrize("weight_check", ["sample", "version"])
+def test_native_watch_sees_what_the_plan_check_sees(weight_check, isolated_selection):
+    """A backend without a watched call (cpu-bf16) keeps the Python path, whose weight check is the
+    extension's ``WeightWatch`` (``LayerPlans._current``): after each change the weight check sees,
+    the layer's output is the changed layer's, bit for bit."""
+    _backend()
+    if fp8ref.get_backend("cpu-bf16").available():
+        pytest.skip("cpu-bf16 is unavailable here")
+    lin = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    q = fp8ref.Fp8Linear.from_linear(lin, backend="cpu-bf16", weight_check=weight_check)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        q(x)
+        assert q.plan(x).watched is None and q._plans.watch is not None
+        changes = [lambda: q.weight_scale.mul_(2), lambda: setattr(q, "weight_scale", q.weight_scale.clone())]
+        if weight_check == "sample":
+            changes += [lambda: q.weight_scale.data.mul_(0.5),
+                        lambda: q.weight.data.view(torch.uint8).numpy().__setitem__((0, 0), 0x38)]
+        for i, change in enumerate(changes):
+            entry = q._plans.entry
+            change()
+            y = q(x)
+            assert q._plans.entry is not entry, f"change {i} not seen"  # the weight was checked again
+            qw = q.quantized_weight()
+            fresh = fp8ref.Quantized(qw.data.clone(), qw.scale.clone(), qw.scheme)
+            want = fp8ref.linear(x, fresh, None, recipe=q.recipe, backend="cpu-bf16")
+            assert torch.equal(_bits(y), _bits(want)), f"change {i}"
+            assert q._plans.watch is not None and q._plans.watch[0] is q._plans.entry, f"change {i}"
+
+
 def test_watched_call_hands_back_other_cases(isolated_selection):
     """x of another dtype or M bucket, grad mode with an input that requires grad, and a change
     of the backend's kernel settings: the watched call computes nothing."""

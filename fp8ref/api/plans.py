@@ -22,6 +22,7 @@ from math import prod as _prod
 import torch
 
 from .. import select as _select
+from ..kernels import native as _native
 from ..registry import Backend as _Backend
 from ..registry import Case as _Case
 from ..select import generation as _generation
@@ -190,6 +191,29 @@ def _bind_watched(p: Plan, key: tuple, weight: torch.Tensor, weight_scale: torch
     return fn if callable(fn) else None
 
 
+def _native_watch(e: WeightEntry, weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple | None:
+    """``(e, WeightWatch)``: the extension's one-call check of what ``e.current`` checks for the
+    layer's tensors (their versions, storage, sizes and strides, and the sample's bytes), or None
+    where the extension is not loaded, the weight is not on the CPU, or it changed since ``e``."""
+    mod = _native.loaded()
+    if (mod is None or not hasattr(mod, "WeightWatch") or e.check not in ("sample", "version")
+            or weight.device.type != "cpu" or weight_scale.device.type != "cpu"
+            or pair_version(weight, weight_scale) != e.version):
+        return None
+    ranges = e.sample.byte_ranges() if e.sample is not None else ([], [], b"")
+    if ranges is None:
+        return None
+    addrs, lens, expected = ranges
+    try:
+        watch = mod.WeightWatch(torch.zeros(1, dtype=torch.int64), [weight, weight_scale], list(e.version[:2]),
+                                torch.tensor(addrs, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
+                                torch.frombuffer(bytearray(expected), dtype=torch.uint8) if expected
+                                else torch.empty(0, dtype=torch.uint8))
+    except Exception:
+        return None
+    return e, watch
+
+
 class LayerPlans:
     """The plans of one quantized weight held as two tensors (codes ``[N, K]``, dequantization
     scales) under one layer's settings: what ``Fp8Linear`` and ``torch.ops.fp8ref.linear`` hold.
@@ -205,7 +229,7 @@ class LayerPlans:
     """
 
     __slots__ = ("recipe", "backend", "precision", "out_dtype", "candidates", "weight_check", "entry", "plans",
-                 "last")
+                 "last", "watch")
 
     def __init__(self, recipe: Recipe, backend: str = "auto", precision: str = "standard",
                  out_dtype: torch.dtype | None = None, candidates: Sequence[str] | None = None,
@@ -216,6 +240,8 @@ class LayerPlans:
         self.plans: dict[tuple, Plan] = {}
         #: the plan last run with a ``watched`` call: tried first (it checks its own case)
         self.last: Plan | None = None
+        #: ``(entry, WeightWatch)``: the extension's check of the entry's weight (``_native_watch``)
+        self.watch: tuple | None = None
 
     def run(self, x, weight: torch.Tensor, weight_scale: torch.Tensor, bias) -> torch.Tensor | None:
         """``fp8ref.linear(x, Quantized(weight, weight_scale), bias, ...)`` by the plan of x's case,
@@ -243,7 +269,7 @@ class LayerPlans:
         key = (m_bucket(M), x.dtype, x.device)
         p = self.plans.get(key)
         if (p is None or p.bias is not bias or shape[-1] != p.entry.K
-                or not p.current(pair_version(weight, weight_scale))):
+                or not self._current(p, weight, weight_scale)):
             p = self._build(x, x if nd == 2 else x.reshape(-1, shape[-1]), key, weight, weight_scale, bias)
             if p is None:
                 return None
@@ -275,6 +301,15 @@ class LayerPlans:
         y = p.backend.linear(x.reshape(-1, shape[-1]), p.prepared, bias, p.out_dtype, p.scheme)
         return y.reshape(*shape[:-1], p.entry.N)
 
+    def _current(self, p: Plan, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+        """``p.current(pair_version(weight, weight_scale))``, the weight's part checked by the
+        extension's ``WeightWatch`` where the entry has one (the same checks: version, pointers,
+        strides, and the sample's bytes, in one call)."""
+        watch = self.watch
+        if watch is not None and watch[0] is p.entry:
+            return p.generation == _generation() and watch[1].current(weight, weight_scale)
+        return p.current(pair_version(weight, weight_scale))
+
     def _build(self, x: torch.Tensor, x2: torch.Tensor, key: tuple, weight: torch.Tensor,
                weight_scale: torch.Tensor, bias) -> Plan | None:
         """Check the call as ``fp8ref.linear`` does and plan it; on any error, plan nothing."""
@@ -294,6 +329,8 @@ class LayerPlans:
             cands = check_candidates(self.candidates)
             p = make_plan(e, Request(x, x2, bias, od, self.backend, self.precision, cands), bias)
             p = _replace(p, watched=_bind_watched(p, key, weight, weight_scale))
+            if self.watch is None or self.watch[0] is not e:  # after the selection, which loads the extension
+                self.watch = _native_watch(e, weight, weight_scale)
         except Exception:  # fp8ref.linear, called next, raises it with its own wording
             return None
         self.plans[key] = p

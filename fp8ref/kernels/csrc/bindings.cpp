@@ -27,6 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("negzero"), pybind11::arg("pow2"), pybind11::arg("codes"), pybind11::arg("pb"),
         pybind11::arg("special"), pybind11::arg("sb"), pybind11::arg("bias"), pybind11::arg("has_bias"),
         pybind11::arg("isa"), pybind11::arg("rows"), pybind11::arg("out_code"));
+  pybind11::class_<fp8ref::WeightWatch>(m, "WeightWatch")
+      .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, at::Tensor,
+                          at::Tensor>())
+      .def("current", &fp8ref::WeightWatch::current2, pybind11::arg("weight"), pybind11::arg("scale"));
   pybind11::class_<fp8ref::BoundLinear>(m, "BoundLinear")
       .def(pybind11::init<bool, double, double, int64_t, int64_t, int64_t, bool, bool, at::Tensor, at::Tensor,
                           at::Tensor, at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,

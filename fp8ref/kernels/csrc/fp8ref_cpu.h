@@ -82,15 +82,34 @@ at::Tensor fp8_linear(at::Tensor x, bool per_tensor, double qmax, double floor, 
                       int64_t ebias, bool negzero, bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special,
                       at::Tensor sb, at::Tensor bias, bool has_bias, int64_t isa, int64_t rows, int64_t out_code);
 
+// linear.cpp: what a plan holds for, checked in one call (fp8ref.weightcheck.Watch): current(...)
+// is true while epoch holds the value it held at construction (the backend bumps it when its kernel
+// settings change; a counter nobody bumps for a backend that has none), the tensors passed have the
+// storage pointer, version, sizes and strides of the watched tensors at construction, and every
+// sampled byte range (seg_addr, seg_len: addresses inside the watched tensors, which this object
+// keeps alive; checked at construction) holds the bytes of `expected`.
+struct WeightWatch {
+  at::Tensor epoch;
+  int64_t epoch_seen = 0;
+  std::vector<at::Tensor> watched;
+  std::vector<int64_t> versions;
+  std::vector<const void*> ptrs;
+  std::vector<std::vector<int64_t>> sizes, strides;
+  at::Tensor seg_addr, seg_len, expected;
+
+  WeightWatch(at::Tensor epoch, std::vector<at::Tensor> watched, std::vector<int64_t> versions, at::Tensor seg_addr,
+              at::Tensor seg_len, at::Tensor expected);
+  bool same_tensor(size_t i, const at::Tensor& t) const;
+  bool same_sample() const;
+  bool current(const std::vector<at::Tensor>& now) const;
+  bool current2(const at::Tensor& a, const at::Tensor& b) const;  // two watched tensors (codes, scales)
+};
+
 // linear.cpp: a plan's warm call with its checks in one call from Python (fp8ref.api.plans,
 // CpuFp8Backend.bind_watched_linear). call(x, bias, weight, scale) runs fp8_linear with the fixed
 // arguments, or returns undefined (None) and computes nothing unless: x has x_dtype (x_code as
-// out_code), is on the CPU
-// with K columns and m_lo <= rows <= m_hi; no gradient is wanted (grad mode and an input that
-// requires grad); epoch still holds the value it held at binding (the backend bumps it when its
-// kernel settings change); weight and scale have the storage pointer, version, sizes and strides
-// of the watched tensors at binding; and every sampled byte range (seg_addr, seg_len: addresses
-// inside the watched tensors, which this object keeps alive) holds the bytes of `expected`.
+// out_code), is on the CPU with K columns and m_lo <= rows <= m_hi; no gradient is wanted (grad mode
+// and an input that requires grad); and the watch (epoch, weight, scale, sample) is current.
 struct BoundLinear {
   bool per_tensor;
   double qmax, floor;
@@ -100,13 +119,7 @@ struct BoundLinear {
   int64_t isa, rows, out_code;
   at::ScalarType x_dtype;
   int64_t m_lo, m_hi;
-  at::Tensor epoch;
-  int64_t epoch_seen = 0;
-  std::vector<at::Tensor> watched;
-  std::vector<int64_t> versions;
-  std::vector<const void*> ptrs;
-  std::vector<std::vector<int64_t>> sizes, strides;
-  at::Tensor seg_addr, seg_len, expected;
+  WeightWatch watch;
 
   BoundLinear(bool per_tensor, double qmax, double floor, int64_t mant, int64_t emin, int64_t ebias, bool negzero,
               bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special, at::Tensor sb, int64_t isa, int64_t rows,

@@ -120,23 +120,17 @@ int64_t version_of(const at::Tensor& t) {  // -1 for an inference tensor (no ver
 
 }  // namespace
 
-BoundLinear::BoundLinear(bool per_tensor, double qmax, double floor, int64_t mant, int64_t emin, int64_t ebias,
-                         bool negzero, bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special, at::Tensor sb,
-                         int64_t isa, int64_t rows, int64_t out_code, int64_t x_code, int64_t m_lo,
-                         int64_t m_hi, at::Tensor epoch, std::vector<at::Tensor> watched,
-                         std::vector<int64_t> versions, at::Tensor seg_addr, at::Tensor seg_len, at::Tensor expected)
-    : per_tensor(per_tensor), qmax(qmax), floor(floor), mant(mant), emin(emin), ebias(ebias), negzero(negzero),
-      pow2(pow2), codes(std::move(codes)), pb(std::move(pb)), special(std::move(special)), sb(std::move(sb)),
-      isa(isa), rows(rows), out_code(out_code), x_dtype(x_code == 0 ? at::kFloat : (x_code == 1 ? at::kBFloat16 : at::kHalf)), m_lo(m_lo), m_hi(m_hi), epoch(std::move(epoch)),
-      watched(std::move(watched)), versions(std::move(versions)), seg_addr(std::move(seg_addr)),
-      seg_len(std::move(seg_len)), expected(std::move(expected)) {
+WeightWatch::WeightWatch(at::Tensor epoch, std::vector<at::Tensor> watched, std::vector<int64_t> versions,
+                         at::Tensor seg_addr, at::Tensor seg_len, at::Tensor expected)
+    : epoch(std::move(epoch)), watched(std::move(watched)), versions(std::move(versions)),
+      seg_addr(std::move(seg_addr)), seg_len(std::move(seg_len)), expected(std::move(expected)) {
   TORCH_CHECK(this->epoch.defined() && this->epoch.scalar_type() == at::kLong && this->epoch.numel() == 1 &&
                   this->epoch.device().is_cpu() && this->epoch.is_contiguous(),
-              "BoundLinear: epoch must be a CPU int64 tensor of one element");
+              "WeightWatch: epoch must be a CPU int64 tensor of one element");
   epoch_seen = *this->epoch.const_data_ptr<int64_t>();
-  TORCH_CHECK(this->versions.size() == this->watched.size(), "BoundLinear: one version per watched tensor");
+  TORCH_CHECK(this->versions.size() == this->watched.size(), "WeightWatch: one version per watched tensor");
   for (const at::Tensor& t : this->watched) {
-    TORCH_CHECK(t.defined() && t.device().is_cpu(), "BoundLinear: watched tensors must be CPU tensors");
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), "WeightWatch: watched tensors must be CPU tensors");
     ptrs.push_back(t.const_data_ptr());
     sizes.emplace_back(t.sizes().begin(), t.sizes().end());
     strides.emplace_back(t.strides().begin(), t.strides().end());
@@ -145,11 +139,11 @@ BoundLinear::BoundLinear(bool per_tensor, double qmax, double floor, int64_t man
                   this->seg_addr.dim() == 1 && this->seg_len.dim() == 1 &&
                   this->seg_addr.numel() == this->seg_len.numel() && this->seg_addr.is_contiguous() &&
                   this->seg_len.is_contiguous() && this->seg_addr.device().is_cpu() && this->seg_len.device().is_cpu(),
-              "BoundLinear: seg_addr and seg_len must be contiguous CPU int64 [S]");
+              "WeightWatch: seg_addr and seg_len must be contiguous CPU int64 [S]");
   TORCH_CHECK(this->expected.scalar_type() == at::kByte && this->expected.is_contiguous() &&
                   this->expected.device().is_cpu() && this->expected.dim() == 1 &&
                   this->expected.numel() == this->seg_len.sum().item<int64_t>(),
-              "BoundLinear: expected must be contiguous CPU uint8 holding every segment's bytes");
+              "WeightWatch: expected must be contiguous CPU uint8 holding every segment's bytes");
   // every range lies in the storage of a watched tensor (kept alive here): never a read elsewhere
   const int64_t* addr = this->seg_addr.const_data_ptr<int64_t>();
   const int64_t* len = this->seg_len.const_data_ptr<int64_t>();
@@ -161,21 +155,18 @@ BoundLinear::BoundLinear(bool per_tensor, double qmax, double floor, int64_t man
       const auto a = static_cast<uintptr_t>(addr[i]);
       if (len[i] >= 0 && a >= lo && a <= hi && static_cast<uintptr_t>(len[i]) <= hi - a) inside = true;
     }
-    TORCH_CHECK(inside, "BoundLinear: byte range ", i, " lies outside the watched tensors' storage");
+    TORCH_CHECK(inside, "WeightWatch: byte range ", i, " lies outside the watched tensors' storage");
   }
-  TORCH_CHECK(this->seg_addr.numel() == 0 || !this->watched.empty(), "BoundLinear: a sample needs the watched tensors");
 }
 
-bool BoundLinear::current(const std::vector<at::Tensor>& now) const {
-  if (*epoch.const_data_ptr<int64_t>() != epoch_seen || now.size() != watched.size()) return false;
-  for (size_t i = 0; i < now.size(); ++i) {
-    const at::Tensor& t = now[i];
-    if (!t.defined() || t.const_data_ptr() != ptrs[i] || version_of(t) != versions[i] || t.sizes() != sizes[i] ||
-        t.strides() != strides[i])
-      return false;
-  }
+bool WeightWatch::same_tensor(size_t i, const at::Tensor& t) const {
+  return t.defined() && t.const_data_ptr() == ptrs[i] && version_of(t) == versions[i] && t.sizes() == sizes[i] &&
+         t.strides() == strides[i];
+}
+
+bool WeightWatch::same_sample() const {
   // The sample reads the memory of the tensors kept at binding (alive while this object is): the
-  // same storage as now's, since the pointers matched while the kept ones hold theirs.
+  // same storage as the caller's, since the pointers matched while the kept ones hold theirs.
   const int64_t* addr = seg_addr.const_data_ptr<int64_t>();
   const int64_t* len = seg_len.const_data_ptr<int64_t>();
   const uint8_t* want = expected.const_data_ptr<uint8_t>();
@@ -186,6 +177,32 @@ bool BoundLinear::current(const std::vector<at::Tensor>& now) const {
   return true;
 }
 
+bool WeightWatch::current(const std::vector<at::Tensor>& now) const {
+  if (*epoch.const_data_ptr<int64_t>() != epoch_seen || now.size() != watched.size()) return false;
+  for (size_t i = 0; i < now.size(); ++i)
+    if (!same_tensor(i, now[i])) return false;
+  return same_sample();
+}
+
+bool WeightWatch::current2(const at::Tensor& a, const at::Tensor& b) const {
+  if (*epoch.const_data_ptr<int64_t>() != epoch_seen || watched.size() != 2) return false;
+  return same_tensor(0, a) && same_tensor(1, b) && same_sample();
+}
+
+BoundLinear::BoundLinear(bool per_tensor, double qmax, double floor, int64_t mant, int64_t emin, int64_t ebias,
+                         bool negzero, bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special, at::Tensor sb,
+                         int64_t isa, int64_t rows, int64_t out_code, int64_t x_code, int64_t m_lo,
+                         int64_t m_hi, at::Tensor epoch, std::vector<at::Tensor> watched,
+                         std::vector<int64_t> versions, at::Tensor seg_addr, at::Tensor seg_len, at::Tensor expected)
+    : per_tensor(per_tensor), qmax(qmax), floor(floor), mant(mant), emin(emin), ebias(ebias), negzero(negzero),
+      pow2(pow2), codes(std::move(codes)), pb(std::move(pb)), special(std::move(special)), sb(std::move(sb)),
+      isa(isa), rows(rows), out_code(out_code),
+      x_dtype(x_code == 0 ? at::kFloat : (x_code == 1 ? at::kBFloat16 : at::kHalf)), m_lo(m_lo), m_hi(m_hi),
+      watch(std::move(epoch), std::move(watched), std::move(versions), std::move(seg_addr), std::move(seg_len),
+            std::move(expected)) {}
+
+bool BoundLinear::current(const std::vector<at::Tensor>& now) const { return watch.current(now); }
+
 at::Tensor BoundLinear::call(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& weight,
                              const at::Tensor& scale) const {
   if (!x.defined() || x.scalar_type() != x_dtype || !x.device().is_cpu() || x.dim() < 1 ||
@@ -195,7 +212,7 @@ at::Tensor BoundLinear::call(const at::Tensor& x, const c10::optional<at::Tensor
   if (M < m_lo || M > m_hi) return at::Tensor();
   if (at::GradMode::is_enabled() && (x.requires_grad() || (bias.has_value() && bias->requires_grad())))
     return at::Tensor();
-  if (!current({weight, scale})) return at::Tensor();
+  if (!watch.current2(weight, scale)) return at::Tensor();
   if (bias.has_value())
     return fp8_linear(x, per_tensor, qmax, floor, mant, emin, ebias, negzero, pow2, codes, pb, special, sb, *bias,
                       true, isa, rows, out_code);
