@@ -173,22 +173,22 @@ def check_linear_matches_two_calls(backend: Backend, p: LinearProblem) -> float:
     qx = to_backend_layout(backend, to_backend_device(qx), "activation")
     with backend_threads():
         y2 = to_host(backend.scaled_mm(qx, prepared, to_backend_device(bias), p.out_dtype))
-    if not isinstance(y1, torch.Tensor) or tuple(y1.shape) != tuple(y2.shape) or y1.dtype != y2.dtype:
-        raise ContractViolation(f"linear returned {type(y1).__name__} {tuple(getattr(y1, 'shape', ()))} "
-                                f"{getattr(y1, 'dtype', '')}, scaled_mm(quantize) {tuple(y2.shape)} {y2.dtype}")
-    if not same_bits(y1, y2):
-        raise ContractViolation(f"linear differs from scaled_mm(quantize): {first_diff(y1, y2)}")
+    _require_same_bits(y1, "linear", y2, "scaled_mm(quantize)")
     y3 = _bound_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation) if scale is None else None
     if y3 is not None:
-        if not isinstance(y3, torch.Tensor) or tuple(y3.shape) != tuple(y1.shape) or y3.dtype != y1.dtype:
-            raise ContractViolation(f"the bound call (bind_linear) returned {type(y3).__name__} "
-                                    f"{tuple(getattr(y3, 'shape', ()))} {getattr(y3, 'dtype', '')}, linear "
-                                    f"{tuple(y1.shape)} {y1.dtype}")
-        if not same_bits(y3, y1):
-            raise ContractViolation(f"the bound call (bind_linear) differs from linear: {first_diff(y3, y1)}")
+        _require_same_bits(y3, "the bound call (bind_linear)", y1, "linear")
     if scale is None:
         _check_watched_linear(backend, x, prepared, bias, p.out_dtype, p.recipe.activation, qw, y1)
     return 0.0
+
+
+def _require_same_bits(y, what: str, want: torch.Tensor, of: str) -> None:
+    """``y`` (what ``what`` returned) is a tensor with ``want``'s shape, dtype and bits (``of``'s)."""
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(want.shape) or y.dtype != want.dtype:
+        raise ContractViolation(f"{what} returned {type(y).__name__} {tuple(getattr(y, 'shape', ()))} "
+                                f"{getattr(y, 'dtype', '')}, {of} {tuple(want.shape)} {want.dtype}")
+    if not same_bits(y, want):
+        raise ContractViolation(f"{what} differs from {of}: {first_diff(y, want)}")
 
 
 def _check_watched_linear(backend: Backend, x, prepared, bias, out_dtype, scheme, qw: Quantized, y1) -> None:
@@ -210,13 +210,7 @@ def _check_watched_linear(backend: Backend, x, prepared, bias, out_dtype, scheme
         y = fn(dx, db, dev_codes, dev_scales)
         if y is None:
             return
-        y = to_host(y)
-        if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(y1.shape) or y.dtype != y1.dtype:
-            raise ContractViolation(f"the watched call (bind_watched_linear) returned {type(y).__name__} "
-                                    f"{tuple(getattr(y, 'shape', ()))} {getattr(y, 'dtype', '')}, linear "
-                                    f"{tuple(y1.shape)} {y1.dtype}")
-        if not same_bits(y, y1):
-            raise ContractViolation(f"the watched call (bind_watched_linear) differs from linear: {first_diff(y, y1)}")
+        _require_same_bits(to_host(y), "the watched call (bind_watched_linear)", y1, "linear")
         more = torch.cat([dx, dx[:1]]) if rows else dx
         if fn(more, db, dev_codes, dev_scales) is not None:
             raise ContractViolation(f"the watched call (bind_watched_linear) computed {more.shape[0]} rows; it "
