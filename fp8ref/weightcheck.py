@@ -17,7 +17,8 @@ import torch
 from . import _env
 from .spec.quant import Quantized
 
-__all__ = ["WEIGHT_CHECKS", "SAMPLE_ROWS", "ENV_WEIGHT_CHECK", "MemorySample", "Watch", "tensor_version", "pair_version",
+__all__ = ["WEIGHT_CHECKS", "SAMPLE_ROWS", "ENV_WEIGHT_CHECK", "MemorySample", "Watch", "range_tensors",
+           "tensor_version", "pair_version",
            "weight_check_mode"]
 
 #: How ``fp8ref.linear`` notices that a cached weight changed: ``"sample"`` (default: identity,
@@ -212,6 +213,14 @@ class Watch:
         """The watch of ``tensors`` as they are now."""
         return cls(x_dtype, m_lo, m_hi, tuple(tensors), tuple(tensor_version(t) for t in tensors),
                    sample is not None, None if sample is None else sample.byte_ranges())
+
+
+def range_tensors(ranges: tuple[list[int], list[int], bytes] | None) -> tuple[torch.Tensor, ...]:
+    """``MemorySample.byte_ranges()`` (None: no sample) as the extension's checks take them:
+    addresses and lengths as int64 tensors, the expected bytes as a uint8 tensor."""
+    addrs, lens, expected = ranges if ranges is not None else ([], [], b"")
+    return (torch.tensor(addrs, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
+            torch.frombuffer(bytearray(expected), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8))
 
 
 def weight_check_mode(weight_check: str | None) -> str:

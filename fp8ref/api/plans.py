@@ -32,7 +32,7 @@ from ..spec.fenv import flushing as _flushing
 from ..spec.fenv import ieee_subnormals as _ieee_subnormals
 from ..spec.quant import Quantized, quantize
 from ..spec.schemes import QuantScheme, Recipe
-from ..weightcheck import MemorySample, Watch, pair_version
+from ..weightcheck import MemorySample, Watch, pair_version, range_tensors
 from ..weightcheck import snapshot as _snapshot
 from ..weightcheck import version as _version
 from ..weightcheck import weight_check_mode as _weight_check
@@ -200,15 +200,12 @@ def _native_watch(e: WeightEntry, weight: torch.Tensor, weight_scale: torch.Tens
             or weight.device.type != "cpu" or weight_scale.device.type != "cpu"
             or pair_version(weight, weight_scale) != e.version):
         return None
-    ranges = e.sample.byte_ranges() if e.sample is not None else ([], [], b"")
-    if ranges is None:
+    ranges = e.sample.byte_ranges() if e.sample is not None else None
+    if e.sample is not None and ranges is None:
         return None
-    addrs, lens, expected = ranges
     try:
         watch = mod.WeightWatch(torch.zeros(1, dtype=torch.int64), [weight, weight_scale], list(e.version[:2]),
-                                torch.tensor(addrs, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
-                                torch.frombuffer(bytearray(expected), dtype=torch.uint8) if expected
-                                else torch.empty(0, dtype=torch.uint8))
+                                *range_tensors(ranges))
     except Exception:
         return None
     return e, watch

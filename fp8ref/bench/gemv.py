@@ -5,8 +5,8 @@ ceiling is the memory's read bandwidth, not the GEMM peak, and a copy (read + wr
 yardstick. ``bench_gemv`` takes one Llama-3.1-8B decoder layer's seven weights (218 MB of FP8
 codes, more than any last-level cache of the CPUs fp8ref runs on, so every call streams them from
 memory; the codes of standard normal rows quantized per row, as a model's weights are, or with
-``codes="uniform"`` a worst case: ``_random_weight``), and times in paired rounds (``timing.paired``) the seven GEMVs of ``fp8ref.linear``
-against a read-only pass over the same codes (an int64 sum of each weight's bytes): the fraction is
+``codes="uniform"`` a worst case: ``_random_weight``), and times in paired rounds
+(``timing.paired``) the seven GEMVs of ``fp8ref.linear`` against a read-only pass over the same codes (an int64 sum of each weight's bytes): the fraction is
 the stream's time over the GEMVs' (1.0: the GEMVs read the weights as fast as a plain read does).
 The target is ``GEMV_TARGET``.
 """
@@ -124,7 +124,8 @@ def format_gemv(r: dict) -> str:
     met = "met" if r["fraction_of_stream"] >= r["target"] else "not met"
     if r.get("codes", "quantized") == "uniform":
         return (f"  worst case, uniform codes (7 in 8 groups of 32 hold a zero or subnormal code): "
-                f"{r['gemv_gbps']:.2f} GB/s, {100 * r['fraction_of_stream']:.1f} % of {r['stream_gbps']:.2f} GB/s{cache}")
+                f"{r['gemv_gbps']:.2f} GB/s, {100 * r['fraction_of_stream']:.1f} % of {r['stream_gbps']:.2f} "
+                f"GB/s{cache}")
     return (f"decode GEMV ({r['backend']}, M = 1, {r['bytes'] / 1e6:.0f} MB of quantized normal weights): "
             f"{r['gemv_gbps']:.2f} GB/s, {100 * r['fraction_of_stream']:.1f} % of a read-only stream over the same "
             f"bytes ({r['stream_gbps']:.2f} GB/s; target >= {100 * r['target']:.0f} %: {met}){cache}")

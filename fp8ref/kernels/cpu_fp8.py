@@ -49,6 +49,7 @@ from ..spec.checks import check_finite
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
+from ..weightcheck import range_tensors
 from . import native
 from ._common import (
     PreparedWeight,
@@ -300,15 +301,10 @@ class CpuFp8Backend(Backend):
         if bound is None or mod is None or not hasattr(mod, "BoundLinear") or watch.x_dtype not in _OUT:
             return None
         _, args, tail = bound
-        ranges = watch.byte_ranges
-        addrs, lens, expected = ranges if ranges is not None else ([], [], b"")
-        if ranges is None and watch.sampled:
+        if watch.byte_ranges is None and watch.sampled:
             return None  # a sample of device memory: not this backend's case
         return mod.BoundLinear(*args, *tail, _OUT.index(watch.x_dtype), watch.m_lo, watch.m_hi, self._epoch,
-                               list(watch.tensors), list(watch.versions), torch.tensor(addrs, dtype=torch.int64),
-                               torch.tensor(lens, dtype=torch.int64),
-                               torch.frombuffer(bytearray(expected), dtype=torch.uint8) if expected
-                               else torch.empty(0, dtype=torch.uint8))
+                               list(watch.tensors), list(watch.versions), *range_tensors(watch.byte_ranges))
 
     def _bound_args(self, w, scheme: QuantScheme, out_dtype: torch.dtype) -> tuple | None:
         """``(fp8_linear, its arguments up to sb, its arguments from isa)`` for one prepared weight,
