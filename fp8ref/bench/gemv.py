@@ -6,8 +6,9 @@ yardstick. ``bench_gemv`` takes one Llama-3.1-8B decoder layer's seven weights (
 codes, more than any last-level cache of the CPUs fp8ref runs on, so every call streams them from
 memory; the codes of standard normal rows quantized per row, as a model's weights are, or with
 ``codes="uniform"`` a worst case: ``_random_weight``), and times in paired rounds
-(``timing.paired``) the seven GEMVs of ``fp8ref.linear`` against a read-only pass over the same codes (an int64 sum of each weight's bytes): the fraction is
-the stream's time over the GEMVs' (1.0: the GEMVs read the weights as fast as a plain read does).
+(``timing.paired``) the seven GEMVs of ``fp8ref.linear`` against a read-only pass over the same
+codes (an int64 sum of each weight's bytes): the fraction is the stream's time over the GEMVs'
+(1.0: the GEMVs read the weights as fast as a plain read does).
 The target is ``GEMV_TARGET``.
 """
 
