@@ -114,11 +114,7 @@ class VLLMOnlineFp8Loader(WeightLoader):
         self.name = f"vllm-online-fp8-load-{kind}-{'block' if block else 'tensor'}"
 
     def supports(self, layout, dtype):
-        parts = layout.partitions
-        reason = fused_layer_reason(self.kind, parts)
-        if reason:
-            return reason
-        return None
+        return fused_layer_reason(self.kind, layout.partitions)
 
     def create(self, layout):
         return SimpleNamespace(layer=None, method=_method(self.block), loads=0, weights=None)
