@@ -42,3 +42,21 @@ def isolated_selection(tmp_path, monkeypatch):
     yield
     sel.clear_cache()
     api.clear_weight_cache()
+
+
+@pytest.fixture
+def tiny_bench_model(monkeypatch):
+    """``fp8ref.bench.model`` with ``build_model`` returning a tiny Llama (hidden 64, 4 heads, the
+    layers asked for) instead of a model's real size: the bench's code paths in seconds. Yields
+    the module."""
+    transformers = pytest.importorskip("transformers")
+    from fp8ref.bench import model as bm
+
+    def tiny(name, layers=1):
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=layers, vocab_size=96)
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+    monkeypatch.setattr(bm, "build_model", tiny)
+    return bm

@@ -206,20 +206,11 @@ def test_decide_dense_checks_its_arguments():
 
 
 @pytest.mark.slow  # ~15 s: the backends of the tiny model's shapes are selected
-def test_bench_model_records_the_decisions(monkeypatch):
-    transformers = pytest.importorskip("transformers")
-    from fp8ref.bench import model as bm
-
-    def tiny(name, layers=1):
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                       num_key_value_heads=2, num_hidden_layers=layers, vocab_size=96)
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-
+def test_bench_model_records_the_decisions(monkeypatch, tiny_bench_model):
+    bm = tiny_bench_model
     # Injected: prefill-sized buckets dense, decode FP8 (no timing).
     monkeypatch.setattr(dense, "decide", lambda key, M, f, d, device="cpu": dense.DenseChoice(
         bucket=sel.m_bucket(M), dense=M > 1, ratio=0.5 if M > 1 else 2.0))
-    monkeypatch.setattr(bm, "build_model", tiny)
     r = bm.bench_model("llama8b", prompt=8, tokens=2, repeat=1, budget_s=0.1, dense_fallback="auto")
     d = r["dense_fallback"]
     assert (d["mode"], d["layers"]) == ("auto", 7) and d["extra_bytes"] > 0

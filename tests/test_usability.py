@@ -157,19 +157,8 @@ def test_progress_writes_lines_to_a_log_and_warns_when_oversubscribed(monkeypatc
     assert _progress.oversubscribed() is None
 
 
-def test_bench_model_pairs_a_model_with_its_quantized_copy(monkeypatch):
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from fp8ref.bench import model as bm
-
-    def tiny(name, layers=1):
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                       num_key_value_heads=2, num_hidden_layers=layers, vocab_size=96)
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-
-    monkeypatch.setattr(bm, "build_model", tiny)
+def test_bench_model_pairs_a_model_with_its_quantized_copy(tiny_bench_model):
+    bm = tiny_bench_model
     r = bm.bench_model("llama8b", layers=2, prompt=8, tokens=2, repeat=1, budget_s=0.1)
     assert r["quantized_layers"] == 14 and r["skipped_layers"] == ["lm_head"]
     for phase in ("decode", "prefill"):
