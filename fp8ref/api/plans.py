@@ -1,8 +1,11 @@
 """The plan of a call: one weight under one case, resolved once and run by every warm call.
 
 ``fp8ref.linear`` keeps its plans in a per-weight table (``fp8ref.api.calls``); ``Fp8Linear`` and
-the custom op ``torch.ops.fp8ref.linear`` hold a ``LayerPlans`` per weight. ``Plan.current`` is
-the one place that decides whether a plan still holds. The environment (``FP8REF_BACKEND``,
+the custom op ``torch.ops.fp8ref.linear`` hold a ``LayerPlans`` per weight. ``Plan.current``
+defines whether a plan still holds; ``LayerPlans`` makes the same checks in one call into the
+extension where it can (a backend's watched call, ``Backend.bind_watched_linear``, and the
+extension's ``WeightWatch``: ``weightcheck.Watch``), and falls back to ``Plan.current`` whenever
+one of them says no. The environment (``FP8REF_BACKEND``,
 ``FP8REF_CANDIDATES``, ``FP8REF_ALLOW_BACKENDS``, ``FP8REF_WEIGHT_CHECK``) is read when a plan is
 built, never on a warm call: a change applies to plans built after it, and to every plan after
 ``fp8ref.select.clear_cache()``.
@@ -108,8 +111,8 @@ class Plan:
 
     def current(self, version: tuple) -> bool:
         """Whether the plan still holds for a weight whose ``version`` (``weightcheck.version``) is
-        given: no selection changed since, and the weight is the one prepared (the one place that
-        decides it)."""
+        given: no selection changed since, and the weight is the one prepared (the definition the
+        extension's checks in ``LayerPlans`` repeat in one call)."""
         return self.generation == _select.generation() and self.entry.current(version)
 
 
