@@ -18,11 +18,13 @@ from ..spec.fenv import ieee
 from ..spec.gemm import check_operands
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
+from ..weightcheck import range_tensors
 from . import native
 
 __all__ = ["ieee_methods", "PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "fast_scheme",
            "native_quant", "native_rows", "native_format_args", "segment_scale", "standard_scale", "check_mm_args",
-           "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32"]
+           "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "KernelEpoch", "X_DTYPES",
+           "watch_args"]
 
 
 _IEEE_METHODS = ("quantize", "scaled_mm", "linear", "prepare_weight")
@@ -48,6 +50,48 @@ def ieee_methods(cls):
         if fn is not None and not getattr(fn, "_ieee", False):
             setattr(cls, name, _ieee_method(fn))
     return cls
+
+
+class KernelEpoch:
+    """A backend's kernel settings as a counter the extension's bound calls read: setting or deleting
+    one of the names in ``_KERNEL_SETTINGS`` bumps ``_epoch``, and a ``bind_watched_linear`` call
+    made before hands its calls back (``WeightWatch`` in csrc/linear.cpp compares the counter)."""
+
+    #: Names whose change changes the kernel that runs: setting one bumps ``_epoch``.
+    _KERNEL_SETTINGS: tuple[str, ...] = ()
+
+    @property
+    def _epoch(self) -> torch.Tensor:
+        """A one-element int64 counter of this instance's kernel-setting changes."""
+        cell = self.__dict__.get("_epoch_cell")
+        if cell is None:
+            cell = self.__dict__["_epoch_cell"] = torch.zeros(1, dtype=torch.int64)
+        return cell
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in self._KERNEL_SETTINGS:
+            self._epoch.add_(1)
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        if name in self._KERNEL_SETTINGS:
+            self._epoch.add_(1)
+
+
+#: x's dtypes as the extension's bound calls number them (``x_code``).
+X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def watch_args(watch, epoch: torch.Tensor) -> tuple | None:
+    """The trailing arguments of the extension's bound calls (``PlanCheck`` in csrc/linear.cpp) for a
+    ``fp8ref.weightcheck.Watch``: ``(x_code, m_lo, m_hi, epoch, tensors, versions, addresses,
+    lengths, expected)``; None where they cannot check it (x's dtype not one they take, a sample of
+    device memory)."""
+    if watch.x_dtype not in X_DTYPES or (watch.byte_ranges is None and watch.sampled):
+        return None
+    return (X_DTYPES.index(watch.x_dtype), watch.m_lo, watch.m_hi, epoch, list(watch.tensors), list(watch.versions),
+            *range_tensors(watch.byte_ranges))
 
 
 @dataclass(frozen=True, eq=False)

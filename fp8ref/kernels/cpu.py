@@ -47,9 +47,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +59,7 @@ from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 from ._common import (
+    KernelEpoch,
     PreparedWeight,
     Shared,
     amax_all_finite,
@@ -70,20 +68,19 @@ from ._common import (
     empty_result,
     fast_quantize,
     ieee_methods,
+    native_format_args,
     native_rows,
     segment_scale,
     standard_scale,
     unwrap,
+    watch_args,
 )
+from ._compiled import COMPILED as _COMPILED
+from ._compiled import compile_enabled
 
 __all__ = ["CpuWideBackend", "compile_enabled"]
 
 _precision_lock = threading.Lock()
-
-
-def compile_enabled() -> bool:
-    """Whether ``FP8REF_COMPILE`` asks for the torch.compile'd paths (default: off)."""
-    return _env.get("FP8REF_COMPILE")
 
 
 @contextlib.contextmanager
@@ -198,47 +195,10 @@ def _epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.T
     return y.to(out_dtype)
 
 
-class _Compiled:
-    """torch.compile'd versions of the two fused pieces, made on first use; eager on failure."""
-
-    def __init__(self) -> None:
-        self._fns: dict[str, Callable] = {}
-        self._broken = False
-        self._lock = threading.Lock()
-
-    def get(self, key: str, fn: Callable) -> Callable:
-        if self._broken:
-            return fn
-        with self._lock:
-            if key not in self._fns:
-                try:
-                    self._fns[key] = torch.compile(fn, dynamic=True)
-                except Exception as exc:  # no compiler, unsupported platform: eager for good
-                    self._fail(exc)
-                    return fn
-            return self._fns[key]
-
-    def run(self, key: str, fn: Callable, *args: Any) -> Any:
-        compiled = self.get(key, fn)
-        if compiled is fn:
-            return fn(*args)
-        try:
-            return compiled(*args)
-        except Exception as exc:  # a compile error surfaces on the first call
-            self._fail(exc)
-            return fn(*args)
-
-    def _fail(self, exc: Exception) -> None:
-        if not self._broken:
-            warnings.warn(f"fp8ref cpu backends: torch.compile failed ({exc!r}); using eager code", stacklevel=3)
-        self._broken = True
-
-
-_COMPILED = _Compiled()
 
 
 @ieee_methods
-class CpuWideBackend(Backend):
+class CpuWideBackend(KernelEpoch, Backend):
     """FP8 values held exactly in ``wide`` (bf16 or fp32), one wide GEMM, fp32 scales and bias.
 
     Examples
@@ -304,12 +264,17 @@ class CpuWideBackend(Backend):
             return self._checked(x, q, s, amax, scheme)
         return fast_quantize(x, scheme)
 
-    @staticmethod
-    def _fusable(x: torch.Tensor, scheme: QuantScheme) -> bool:
+    @classmethod
+    def _fusable(cls, x: torch.Tensor, scheme: QuantScheme) -> bool:
         return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0
-                and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and scheme.granularity is Granularity.ROW and scheme.dynamic and not scheme.pow2_scale
-                and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule)
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and cls._fusable_scheme(scheme))
+
+    @staticmethod
+    def _fusable_scheme(scheme: QuantScheme) -> bool:
+        """Whether ``linear`` fuses the quantization of ``scheme``: per row, dynamic, no power-of-two
+        scales, fp32 scales by the standard rule (the extension's ``native_rows`` takes it too)."""
+        return (isinstance(scheme, QuantScheme) and scheme.granularity is Granularity.ROW and scheme.dynamic
+                and not scheme.pow2_scale and scheme.scale_dtype == torch.float32 and scheme.standard_scale_rule)
 
     @staticmethod
     def _checked(x, q, s, amax, scheme) -> Quantized:
@@ -432,6 +397,68 @@ class CpuWideBackend(Backend):
         sb = segment_scale(b, 0).reshape(1, -1)
         y = self._gemm(a_wide, self._weight(b, extra, False))
         return self._finish(y, sa, sb, bias_fp32(bias, x.device), out_dtype)
+
+    #: Names whose change changes the kernel that runs (``_bind_state``): setting one bumps ``_epoch``.
+    _KERNEL_SETTINGS = ("wide", "bf16_dot_products")
+
+    def _bind_state(self) -> tuple:
+        """The settings that pick the bound path's kernel (a bound call made under others hands back)."""
+        return self.wide, self.bf16_dot_products
+
+    def bind_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype):
+        """``linear``'s fused path for one prepared weight, as one call into the extension
+        (``wide_linear`` in csrc/linear.cpp: the same quantizer, amax check, oneDNN GEMM and
+        epilogue, in the same order); None where that path does not apply (the weight not prepared
+        here, a scheme or weight recipe the fused path does not take, an output the extension's
+        epilogue does not write, fp32 GEMMs on bf16 dot products, the extension not loaded). The
+        bound call hands a case back (None) where ``linear`` would leave its fused path, and when
+        a kernel setting changed since binding."""
+        bound = self._bound_args(w, scheme, out_dtype)
+        if bound is None:
+            return None
+        fn, args, tail = bound
+        sb = args[-1]
+        state = self._bind_state()
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+            if self._bind_state() != state:
+                return None
+            if bias is None:
+                return fn(x, *args, sb, False, *tail)
+            return fn(x, *args, bias, True, *tail)
+
+        return run
+
+    def bind_watched_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype, watch):
+        """``bind_linear``'s call with the plan's checks in the extension too (``BoundWideLinear`` in
+        csrc/linear.cpp, the checks of ``PlanCheck``): one call from Python per warm layer call."""
+        bound = self._bound_args(w, scheme, out_dtype)
+        mod = native.loaded()
+        checks = watch_args(watch, self._epoch)
+        if bound is None or mod is None or not hasattr(mod, "BoundWideLinear") or checks is None:
+            return None
+        _, args, tail = bound
+        return mod.BoundWideLinear(*args, *tail, *checks)
+
+    def _bound_args(self, w, scheme: QuantScheme, out_dtype: torch.dtype) -> tuple | None:
+        """``(wide_linear, its arguments up to sb, its arguments after has_bias)`` for one prepared
+        weight, or None where the bound path does not apply: what ``linear``'s fused path needs
+        (a per-row dynamic scheme, one weight scale along K) with the extension's quantizer and
+        epilogue (``native_rows``, ``_native_epilogue``) and ``_gemm`` without its precision switch."""
+        b, extra = unwrap(w, self.name)
+        mod = native.loaded()
+        if (not extra or mod is None or not hasattr(mod, "wide_linear") or not self._fusable_scheme(scheme)
+                or out_dtype not in (torch.bfloat16, torch.float32) or self._out_reason(out_dtype)
+                or (self.wide == torch.float32 and self.bf16_dot_products) or b.data.dim() != 2
+                or b.data.shape[0] == 0 or b.scheme.block_shape(*b.data.shape)[1] < b.data.shape[1]):
+            return None
+        packed = extra.get("packed")
+        weight = packed.value if packed is not None else extra.get("wide")
+        if weight is None:
+            return None
+        sb = segment_scale(b, 0).contiguous()
+        args = (scheme.qmax, scheme.amax_floor, *native_format_args(scheme), weight, packed is not None, sb)
+        return mod.wide_linear, args, (1 if self.wide == torch.bfloat16 else 2, out_dtype == torch.bfloat16)
 
     def _finish(self, y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias32: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:

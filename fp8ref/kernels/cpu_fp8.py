@@ -49,9 +49,9 @@ from ..spec.checks import check_finite
 from ..spec.formats import E4M3FN
 from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
-from ..weightcheck import range_tensors
 from . import native
 from ._common import (
+    KernelEpoch,
     PreparedWeight,
     amax_all_finite,
     bias_fp32,
@@ -63,6 +63,7 @@ from ._common import (
     native_format_args,
     native_quant,
     unwrap,
+    watch_args,
 )
 
 __all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
@@ -152,7 +153,7 @@ def _nan_codes(codes: torch.Tensor) -> bool:
 
 
 @ieee_methods
-class CpuFp8Backend(Backend):
+class CpuFp8Backend(KernelEpoch, Backend):
     """FP8 codes read directly by a C++ kernel (see the module docstring).
 
     Examples
@@ -298,13 +299,11 @@ class CpuFp8Backend(Backend):
         ``_epoch``, a counter ``__setattr__`` bumps): one call from Python per warm layer call."""
         bound = self._bound_args(w, scheme, out_dtype)
         mod = native.loaded()
-        if bound is None or mod is None or not hasattr(mod, "BoundLinear") or watch.x_dtype not in _OUT:
+        checks = watch_args(watch, self._epoch)
+        if bound is None or mod is None or not hasattr(mod, "BoundLinear") or checks is None:
             return None
         _, args, tail = bound
-        if watch.byte_ranges is None and watch.sampled:
-            return None  # a sample of device memory: not this backend's case
-        return mod.BoundLinear(*args, *tail, _OUT.index(watch.x_dtype), watch.m_lo, watch.m_hi, self._epoch,
-                               list(watch.tensors), list(watch.versions), *range_tensors(watch.byte_ranges))
+        return mod.BoundLinear(*args, *tail, *checks)
 
     def _bound_args(self, w, scheme: QuantScheme, out_dtype: torch.dtype) -> tuple | None:
         """``(fp8_linear, its arguments up to sb, its arguments from isa)`` for one prepared weight,
@@ -325,25 +324,6 @@ class CpuFp8Backend(Backend):
 
     #: Names whose change changes the kernel that runs (``_bind_state``): setting one bumps ``_epoch``.
     _KERNEL_SETTINGS = ("isa", "bf16_dot", "emulate")
-
-    @property
-    def _epoch(self) -> torch.Tensor:
-        """A one-element int64 counter of this instance's kernel-setting changes, read by the
-        bound calls of ``bind_watched_linear`` in the extension."""
-        cell = self.__dict__.get("_epoch_cell")
-        if cell is None:
-            cell = self.__dict__["_epoch_cell"] = torch.zeros(1, dtype=torch.int64)
-        return cell
-
-    def __setattr__(self, name: str, value) -> None:
-        object.__setattr__(self, name, value)
-        if name in self._KERNEL_SETTINGS:
-            self._epoch.add_(1)
-
-    def __delattr__(self, name: str) -> None:
-        object.__delattr__(self, name)
-        if name in self._KERNEL_SETTINGS:
-            self._epoch.add_(1)
 
     def _bind_state(self) -> tuple:
         """The settings that pick this backend's kernel (tests force them on the shared instance)."""

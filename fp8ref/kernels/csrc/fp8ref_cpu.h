@@ -22,6 +22,10 @@
 #include <string>
 #include <vector>
 
+namespace c10 {
+class OperatorHandle;  // ATen/core/dispatch/Dispatcher.h (linear.cpp): only linear.cpp calls through it
+}  // namespace c10
+
 namespace fp8ref {
 
 // MXCSR without flush-to-zero (bit 15) and denormals-are-zero (bit 6) while the guard lives, on
@@ -100,16 +104,33 @@ struct WeightWatch {
   WeightWatch(at::Tensor epoch, std::vector<at::Tensor> watched, std::vector<int64_t> versions, at::Tensor seg_addr,
               at::Tensor seg_len, at::Tensor expected);
   bool same_tensor(size_t i, const at::Tensor& t) const;
+  bool same_tensors2(const at::Tensor& a, const at::Tensor& b) const;  // epoch and two tensors, no sample
+  void prefetch_sample() const;  // starts the sample's loads (no check)
   bool same_sample() const;
   bool current(const std::vector<at::Tensor>& now) const;
   bool current2(const at::Tensor& a, const at::Tensor& b) const;  // two watched tensors (codes, scales)
 };
 
-// linear.cpp: a plan's warm call with its checks in one call from Python (fp8ref.api.plans,
-// CpuFp8Backend.bind_watched_linear). call(x, bias, weight, scale) runs fp8_linear with the fixed
-// arguments, or returns undefined (None) and computes nothing unless: x has x_dtype (x_code as
-// out_code), is on the CPU with K columns and m_lo <= rows <= m_hi; no gradient is wanted (grad mode
-// and an input that requires grad); and the watch (epoch, weight, scale, sample) is current.
+// linear.cpp: what every bound call checks before it computes (fp8ref.api.plans, the backends'
+// bind_watched_linear): x has x_dtype (x_code: 0 fp32, 1 bf16, 2 fp16), is on the CPU with K
+// columns and m_lo <= rows <= m_hi; no gradient is wanted (grad mode and an input that requires
+// grad); and the watch (epoch, weight, scale, sample) is current.
+struct PlanCheck {
+  at::ScalarType x_dtype;
+  int64_t K, m_lo, m_hi;
+  WeightWatch watch;
+
+  PlanCheck(int64_t x_code, int64_t K, int64_t m_lo, int64_t m_hi, at::Tensor epoch, std::vector<at::Tensor> watched,
+            std::vector<int64_t> versions, at::Tensor seg_addr, at::Tensor seg_len, at::Tensor expected);
+  // Everything but the sample's bytes, whose loads it starts: the bound call compares them
+  // (watch.same_sample()) after quantizing x, before the GEMM, and computes nothing if one changed.
+  bool admits_but_sample(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& weight,
+                         const at::Tensor& scale) const;
+};
+
+// linear.cpp: cpu-fp8's plan's warm call with its checks in one call from Python
+// (CpuFp8Backend.bind_watched_linear). call(x, bias, weight, scale) runs fp8_linear with the fixed
+// arguments where `check` admits the call, else returns undefined (None) and computes nothing.
 struct BoundLinear {
   bool per_tensor;
   double qmax, floor;
@@ -117,9 +138,7 @@ struct BoundLinear {
   bool negzero, pow2;
   at::Tensor codes, pb, special, sb;
   int64_t isa, rows, out_code;
-  at::ScalarType x_dtype;
-  int64_t m_lo, m_hi;
-  WeightWatch watch;
+  PlanCheck check;
 
   BoundLinear(bool per_tensor, double qmax, double floor, int64_t mant, int64_t emin, int64_t ebias, bool negzero,
               bool pow2, at::Tensor codes, at::Tensor pb, at::Tensor special, at::Tensor sb, int64_t isa, int64_t rows,
@@ -127,6 +146,35 @@ struct BoundLinear {
               std::vector<at::Tensor> watched, std::vector<int64_t> versions, at::Tensor seg_addr, at::Tensor seg_len,
               at::Tensor expected);
   bool current(const std::vector<at::Tensor>& now) const;
+  at::Tensor call(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& weight,
+                  const at::Tensor& scale) const;
+};
+
+// linear.cpp: cpu-bf16's and cpu-fp32's fused linear in one call (quant_blocks to the FP8 values in
+// the wide dtype, the amax check, oneDNN's GEMM, scale_epilogue); undefined (None) where the Python
+// steps must take the call. mode: 1 bf16 values (bf16 output only), 2 fp32 values; weight: the
+// prepared wide [N, K], in oneDNN's packed layout when `packed`; sb: the weight's fp32 scales [N].
+const c10::OperatorHandle& packed_linear_op();
+at::Tensor wide_linear(at::Tensor x, double qmax, double floor, int64_t mant, int64_t emin, int64_t ebias,
+                       bool negzero, at::Tensor weight, bool packed, at::Tensor sb, at::Tensor bias, bool has_bias,
+                       int64_t mode, bool out_bf16);
+
+// linear.cpp: wide_linear with the plan's checks (CpuWideBackend.bind_watched_linear), as BoundLinear.
+struct BoundWideLinear {
+  double qmax, floor;
+  int64_t mant, emin, ebias;
+  bool negzero;
+  at::Tensor weight;
+  bool packed;
+  at::Tensor sb;
+  int64_t mode;
+  bool out_bf16;
+  PlanCheck check;
+
+  BoundWideLinear(double qmax, double floor, int64_t mant, int64_t emin, int64_t ebias, bool negzero,
+                  at::Tensor weight, bool packed, at::Tensor sb, int64_t mode, bool out_bf16, int64_t x_code,
+                  int64_t m_lo, int64_t m_hi, at::Tensor epoch, std::vector<at::Tensor> watched,
+                  std::vector<int64_t> versions, at::Tensor seg_addr, at::Tensor seg_len, at::Tensor expected);
   at::Tensor call(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& weight,
                   const at::Tensor& scale) const;
 };
