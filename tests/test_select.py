@@ -449,3 +449,39 @@ def test_the_selector_runs_without_hypothesis(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(fp8ref.__file__).parents[1]), sel.ENV_CACHE_DIR: str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_timing_times_the_bound_call_a_plan_runs():
+    """The selector times what a plan's warm call runs: the bound call where the backend binds one
+    (``Backend.bind_linear``), ``Backend.linear`` where it binds none or the bound call hands the
+    case back, and ``linear`` alone where binding raises."""
+    calls = []
+
+    class Bound(fp8ref.get_backend("reference").__class__):
+        name = "timing-bound"
+
+        def __init__(self, hand_back=False, bind_raises=False):
+            super().__init__()
+            self.hand_back, self.bind_raises = hand_back, bind_raises
+
+        def linear(self, *a, **k):
+            calls.append("linear")
+            return super().linear(*a, **k)
+
+        def bind_linear(self, w, scheme, out_dtype):
+            if self.bind_raises:
+                raise RuntimeError("no bound call here")
+
+            def run(x, bias):
+                calls.append("bound")
+                return None if self.hand_back else torch.zeros(x.shape[0], w.data.shape[0], dtype=out_dtype)
+
+            return run
+
+    case = Case(M=2, N=8, K=16, recipe=fp8ref.W8A8_FP8, x_dtype=torch.float32, out_dtype=torch.bfloat16,
+                device="cpu", has_bias=True)
+    for be, want in ((Bound(), ["bound"]), (Bound(hand_back=True), ["bound", "linear"]),
+                     (Bound(bind_raises=True), ["linear"])):
+        calls.clear()
+        assert timing.timer(be, case)() >= 0
+        assert calls == want, (be.hand_back, be.bind_raises, calls)

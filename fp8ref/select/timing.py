@@ -1,4 +1,4 @@
-"""Timing the compliant candidates: median of several ``Backend.linear`` calls, then a run-off.
+"""Timing the compliant candidates: median of several warm calls, then a run-off.
 
 Each candidate is timed at min(bucket, TIME_M_CAP) rows on a synthetic weight of the full N x K,
 after one warm-up, within a budget; one that cannot win (estimated from its probe calls) is not
@@ -83,18 +83,27 @@ def synthetic_weight(case: Case) -> Quantized:
 
 
 def timer(backend: Backend, case: Case) -> Callable[[], float]:
-    """A function timing one ``Backend.linear`` call at min(bucket, TIME_M_CAP) rows, in seconds."""
+    """A function timing one warm call at min(bucket, TIME_M_CAP) rows, in seconds: the backend's
+    bound call where it binds one for the case (``Backend.bind_linear``: what a plan's warm calls
+    run), else ``Backend.linear``. A bound call that hands the case back is timed with the
+    ``linear`` call that then runs, as a plan's would be."""
     mt = min(m_bucket(case.M), TIME_M_CAP)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(mt, case.K, generator=gen).to(case.x_dtype).to(case.device)
     bias = torch.randn(case.N, generator=gen).to(case.x_dtype).to(case.device) if case.has_bias else None
     prepared = backend.prepare_weight(synthetic_weight(case))
     act, od, dev = case.recipe.activation, case.out_dtype, case.device
+    try:
+        fast = backend.bind_linear(prepared, act, od)
+    except Exception:  # a plan binds nothing then either (fp8ref.api.plans._bind)
+        fast = None
+    fast = fast if callable(fast) else None
 
     def once() -> float:
         sync(dev)
         t0 = clock()
-        backend.linear(x, prepared, bias, od, act)
+        if fast is None or fast(x, bias) is None:
+            backend.linear(x, prepared, bias, od, act)
         sync(dev)
         return clock() - t0
 
@@ -103,7 +112,7 @@ def timer(backend: Backend, case: Case) -> Callable[[], float]:
 
 def time_backend(backend: Backend, case: Case, best: float | None,
           timers: dict[str, Callable[[], float]] | None = None) -> tuple[float, int, str]:
-    """Median seconds of ``Backend.linear`` at min(bucket, TIME_M_CAP) rows, after one warm-up.
+    """Median seconds of a warm call (``timer``) at min(bucket, TIME_M_CAP) rows, after one warm-up.
     ``timers`` keeps the prepared timer per backend name for the run-off."""
     once = timer(backend, case)
     if timers is not None:
