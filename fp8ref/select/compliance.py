@@ -25,7 +25,7 @@ from .decision import ProbeResult
 from .inputs import adversarial
 from .keys import m_bucket
 
-__all__ = ["PROBE_ROWS", "PROBE_FULL_N_MAX", "PROBE_N_TILE", "ProbeSet", "probe", "probe_shapes"]
+__all__ = ["PROBE_ROWS", "PROBE_FULL_N_MAX", "PROBE_N_TILE", "PROBE_TIMED_CALLS", "ProbeSet", "probe", "probe_shapes"]
 
 #: Probe: 16 rows (random + adversarial), fed to the backend in chunks of min(bucket, 16) rows.
 PROBE_ROWS = 16
@@ -34,6 +34,8 @@ PROBE_ROWS = 16
 #: reference and bound at the full N of an LLM layer cost seconds.
 PROBE_FULL_N_MAX = 512
 PROBE_N_TILE = 256
+#: The probe's estimate is the fastest of this many warm calls at the probe's shape.
+PROBE_TIMED_CALLS = 3
 
 
 def probe_shapes(case: Case) -> tuple[int, int]:
@@ -148,16 +150,20 @@ def probe(backend: Backend, case: Case, *, seed: int = 0, _set: ProbeSet | None 
                 # The first check violated decides (at its worst chunk): later ones would judge its echo.
                 if failed:
                     return ProbeResult(False, worst, detail, math.inf, elements, ratios)
-        # One more call, warm (the checks' calls compiled or autotuned it): the basis of the
-        # estimate that lets the timing skip backends that cannot win.
+        # The warm call a plan makes (the checks' calls compiled or autotuned it), the fastest of
+        # PROBE_TIMED_CALLS: the basis of the estimate that lets the timing skip backends that
+        # cannot win. One call alone read up to 5x a backend's steady time (docs/selection.md).
         prepared = backend.prepare_weight(_to_device(ps.qw, case.device))
         bias_d = None if ps.bias is None else ps.bias.to(case.device)
         xc_d = ps.x[ps.chunks[0][0]:ps.chunks[0][1]].to(case.device)
-        timing.sync(case.device)
-        t0 = timing.clock()
-        backend.linear(xc_d, prepared, bias_d, case.out_dtype, case.recipe.activation)
-        timing.sync(case.device)
-        warm_t = timing.clock() - t0
+        call = timing.warm_call(backend, prepared, xc_d, bias_d, case.out_dtype, case.recipe.activation)
+        warm_t = math.inf
+        for _ in range(PROBE_TIMED_CALLS):
+            timing.sync(case.device)
+            t0 = timing.clock()
+            call()
+            timing.sync(case.device)
+            warm_t = min(warm_t, timing.clock() - t0)
     except Exception as exc:  # a backend that raises on valid input at its own declared case fails
         return ProbeResult(False, math.inf, f"raised {type(exc).__name__}: {exc}", math.inf, elements,
                            {c.name: math.inf for c in checks})

@@ -22,7 +22,7 @@ from .decision import Row
 from .keys import m_bucket
 
 __all__ = ["TIME_M_CAP", "TIME_BUDGET_S", "TIME_MAX_RUNS", "SKIP_FACTOR", "RUNOFF_FACTOR", "RUNOFF_MIN_ROUNDS",
-           "RUNOFF_BUDGET_S", "clock", "sync", "synthetic_weight", "timer", "time_backend", "runoff"]
+           "RUNOFF_BUDGET_S", "clock", "sync", "synthetic_weight", "warm_call", "timer", "time_backend", "runoff"]
 
 #: Timing uses min(bucket, TIME_M_CAP) rows and the full N, K. 128 until 2026-12-02, when a backend
 #: that tied bf16 ``F.linear`` at 128 rows was chosen for the 1024 bucket from that timing, where it
@@ -82,28 +82,39 @@ def synthetic_weight(case: Case) -> Quantized:
     return q
 
 
+def warm_call(backend: Backend, prepared, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+              scheme: QuantScheme) -> Callable[[], object]:
+    """The call a plan's warm path makes for these operands, as a function of nothing: the
+    backend's bound call where it binds one (``Backend.bind_linear``), else ``Backend.linear``; a
+    bound call that hands the case back is followed by the ``linear`` call that then runs, as a
+    plan's would be. What the selector times (``timer``, and the probe's estimate)."""
+    try:
+        fast = backend.bind_linear(prepared, scheme, out_dtype)
+    except Exception:  # a plan binds nothing then either (fp8ref.api.plans._bind)
+        fast = None
+    if not callable(fast):
+        return lambda: backend.linear(x, prepared, bias, out_dtype, scheme)
+
+    def call():
+        y = fast(x, bias)
+        return backend.linear(x, prepared, bias, out_dtype, scheme) if y is None else y
+
+    return call
+
+
 def timer(backend: Backend, case: Case) -> Callable[[], float]:
-    """A function timing one warm call at min(bucket, TIME_M_CAP) rows, in seconds: the backend's
-    bound call where it binds one for the case (``Backend.bind_linear``: what a plan's warm calls
-    run), else ``Backend.linear``. A bound call that hands the case back is timed with the
-    ``linear`` call that then runs, as a plan's would be."""
+    """A function timing one warm call (``warm_call``) at min(bucket, TIME_M_CAP) rows, in seconds."""
     mt = min(m_bucket(case.M), TIME_M_CAP)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(mt, case.K, generator=gen).to(case.x_dtype).to(case.device)
     bias = torch.randn(case.N, generator=gen).to(case.x_dtype).to(case.device) if case.has_bias else None
     prepared = backend.prepare_weight(synthetic_weight(case))
-    act, od, dev = case.recipe.activation, case.out_dtype, case.device
-    try:
-        fast = backend.bind_linear(prepared, act, od)
-    except Exception:  # a plan binds nothing then either (fp8ref.api.plans._bind)
-        fast = None
-    fast = fast if callable(fast) else None
+    call, dev = warm_call(backend, prepared, x, bias, case.out_dtype, case.recipe.activation), case.device
 
     def once() -> float:
         sync(dev)
         t0 = clock()
-        if fast is None or fast(x, bias) is None:
-            backend.linear(x, prepared, bias, od, act)
+        call()
         sync(dev)
         return clock() - t0
 
