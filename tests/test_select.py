@@ -485,3 +485,27 @@ def test_timing_times_the_bound_call_a_plan_runs():
         calls.clear()
         assert timing.timer(be, case)() >= 0
         assert calls == want, (be.hand_back, be.bind_raises, calls)
+
+
+def test_the_probe_estimate_times_the_bound_call():
+    """The probe's estimate (what lets the timing skip a backend) comes from the call a plan makes:
+    a backend whose ``linear`` is slow but whose bound call is fast is estimated by the bound call."""
+    from fp8ref.select.compliance import probe
+
+    ref = fp8ref.get_backend("reference")
+
+    class SlowLinear(type(ref)):
+        name = "probe-slow-linear"
+
+        def linear(self, *a, **k):
+            time.sleep(0.005)
+            return super().linear(*a, **k)
+
+        def bind_linear(self, w, scheme, out_dtype):
+            return lambda x, bias: type(ref).linear(self, x, w, bias, out_dtype, scheme)
+
+    case = Case(M=4, N=8, K=32, recipe=fp8ref.W8A8_FP8, x_dtype=torch.float32, out_dtype=torch.bfloat16,
+                device="cpu")
+    res = probe(SlowLinear(), case)
+    assert res.compliant, res.detail
+    assert res.call_seconds < 0.005, res.call_seconds
