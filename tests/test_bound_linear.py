@@ -46,10 +46,17 @@ def test_bound_call_is_linear_bit_for_bit(path, recipe):
     w = _weight(be, N, K, recipe)
     g = torch.Generator().manual_seed(1)
     Ms = [1, 3, 17] + ([PACKED_ROWS + 5] if path == "packed" else [])  # the packed path's row chunks
-    for x_dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
-            fn = be.bind_linear(w, recipe.activation, out_dtype)
-            assert fn is not None
+    _check_bit_for_bit(be, w, recipe.activation, (torch.bfloat16, torch.float32, torch.float16), Ms, g)
+
+
+def _check_bit_for_bit(be, w, scheme, out_dtypes, Ms, g):
+    """The bound call of every output dtype against ``linear``: every x dtype, each M, x of more
+    than two dimensions, with and without a bias; the same shape, dtype and bits."""
+    N, K = w.data.shape
+    for out_dtype in out_dtypes:
+        fn = be.bind_linear(w, scheme, out_dtype)
+        assert fn is not None
+        for x_dtype in (torch.bfloat16, torch.float16, torch.float32):
             for M in Ms:
                 x = (torch.randn(M, K, generator=g) * 3).to(x_dtype)
                 nd = fn(x.reshape(1, M, 1, K), None)  # rows are every dimension but the last
@@ -57,19 +64,17 @@ def test_bound_call_is_linear_bit_for_bit(path, recipe):
                 assert torch.equal(_bits(nd.reshape(M, N)), _bits(fn(x, None)))
                 for bias in (None, torch.randn(N, generator=g).to(x_dtype)):
                     got = fn(x, bias)
-                    want = be.linear(x, w, bias, out_dtype, recipe.activation)
+                    want = be.linear(x, w, bias, out_dtype, scheme)
                     assert got is not None and got.dtype == want.dtype == out_dtype and got.shape == (M, N)
-                    assert torch.equal(_bits(got), _bits(want)), (path, recipe.name, x_dtype, out_dtype, M, bias)
+                    assert torch.equal(_bits(got), _bits(want)), (be.name, x_dtype, out_dtype, M, bias)
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
-def test_bound_call_hands_back_what_linear_handles_otherwise(recipe):
-    """NaN/Inf in x or the bias, a bias of another shape or dtype, K or M of 0: None, so that the
-    caller runs ``linear``, which raises (or computes) in the spec's words."""
-    be = _backend()
-    N, K = 24, 40
-    w = _weight(be, N, K, recipe)
-    fn = be.bind_linear(w, recipe.activation, torch.bfloat16)
+def _check_hands_back(be, w, scheme):
+    """NaN/Inf in x or the bias, a bias of another shape or dtype, K or M of 0, an x dtype the
+    fused path does not take: the bound call returns None, so that the caller runs ``linear``,
+    which raises (or computes) in the spec's words."""
+    N, K = w.data.shape
+    fn = be.bind_linear(w, scheme, torch.bfloat16)
     x = torch.randn(4, K)
     bad_x = x.clone()
     bad_x[2, 5] = float("nan")
@@ -83,9 +88,15 @@ def test_bound_call_hands_back_what_linear_handles_otherwise(recipe):
     for xx, bias in cases:
         assert fn(xx, bias) is None, (xx.shape, xx.dtype, None if bias is None else (bias.shape, bias.dtype))
     with pytest.raises(ValueError):
-        be.linear(bad_x, w, None, torch.bfloat16, recipe.activation)
+        be.linear(bad_x, w, None, torch.bfloat16, scheme)
     with pytest.raises(ValueError):
-        be.linear(x, w, nan_bias, torch.bfloat16, recipe.activation)
+        be.linear(x, w, nan_bias, torch.bfloat16, scheme)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_bound_call_hands_back_what_linear_handles_otherwise(recipe):
+    be = _backend()
+    _check_hands_back(be, _weight(be, 24, 40, recipe), recipe.activation)
 
 
 def test_bind_declines_what_it_does_not_compute():
@@ -439,46 +450,14 @@ def test_wide_bound_call_is_linear_bit_for_bit(name, recipe, packed):
     if not packed:  # the plain weight prepare_weight keeps where oneDNN packs nothing
         w = type(w).wrap(qw, be.name, wide=qw.data.to(be.wide).contiguous())
     assert ("packed" in w.extra) == packed
-    for out_dtype in WIDE[name]:
-        fn = be.bind_linear(w, recipe.activation, out_dtype)
-        assert fn is not None
-        for x_dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for M in (1, 3, 17, 70):
-                x = (torch.randn(M, K, generator=g) * 3).to(x_dtype)
-                nd = fn(x.reshape(1, M, 1, K), None)  # rows are every dimension but the last
-                assert nd is not None and nd.shape == (1, M, 1, N)
-                assert torch.equal(_bits(nd.reshape(M, N)), _bits(fn(x, None)))
-                for bias in (None, torch.randn(N, generator=g).to(x_dtype)):
-                    got = fn(x, bias)
-                    want = be.linear(x, w, bias, out_dtype, recipe.activation)
-                    assert got is not None and got.dtype == want.dtype == out_dtype and got.shape == (M, N)
-                    assert torch.equal(_bits(got), _bits(want)), (name, recipe.name, x_dtype, out_dtype, M, bias)
+    _check_bit_for_bit(be, w, recipe.activation, WIDE[name], (1, 3, 17, 70), g)
 
 
 @pytest.mark.parametrize("name", list(WIDE))
 def test_wide_bound_call_hands_back_what_linear_handles_otherwise(name):
-    """NaN/Inf in x or the bias, a bias of another shape or dtype, K or M of 0, an x dtype the
-    fused path does not take: None, so that ``linear`` raises (or computes) in the spec's words."""
     be = _wide(name)
-    N, K = 24, 40
-    w = be.prepare_weight(fp8ref.quantize(torch.randn(N, K), fp8ref.W8A8_FP8.weight))
-    fn = be.bind_linear(w, fp8ref.W8A8_FP8.activation, torch.bfloat16)
-    x = torch.randn(4, K)
-    bad_x = x.clone()
-    bad_x[2, 5] = float("nan")
-    inf_x = x.clone()
-    inf_x[0, 0] = float("inf")
-    nan_bias = torch.randn(N)
-    nan_bias[3] = float("nan")
-    cases = [(bad_x, None), (inf_x, None), (x, nan_bias), (x, torch.randn(N + 1)),
-             (x, torch.randn(N, dtype=torch.float64)), (x, torch.randn(1, N)), (torch.randn(0, K), None),
-             (x.to(torch.float64), None), (torch.randn(4, K + 1), None), (torch.randn(2, 0, K), None)]
-    for xx, bias in cases:
-        assert fn(xx, bias) is None, (xx.shape, xx.dtype, None if bias is None else (bias.shape, bias.dtype))
-    with pytest.raises(ValueError):
-        be.linear(bad_x, w, None, torch.bfloat16, fp8ref.W8A8_FP8.activation)
-    with pytest.raises(ValueError):
-        be.linear(x, w, nan_bias, torch.bfloat16, fp8ref.W8A8_FP8.activation)
+    _check_hands_back(be, be.prepare_weight(fp8ref.quantize(torch.randn(24, 40), fp8ref.W8A8_FP8.weight)),
+                      fp8ref.W8A8_FP8.activation)
 
 
 @pytest.mark.parametrize("name", list(WIDE))

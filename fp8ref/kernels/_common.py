@@ -23,7 +23,7 @@ from . import native
 
 __all__ = ["ieee_methods", "PreparedWeight", "Shared", "amax_all_finite", "fast_quantize", "fast_scheme",
            "native_quant", "native_rows", "native_format_args", "segment_scale", "standard_scale", "check_mm_args",
-           "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "KernelEpoch", "X_DTYPES",
+           "empty_result", "unwrap", "pad_last", "pad_weight", "zeros", "bias_fp32", "NativeBound", "X_DTYPES",
            "watch_args"]
 
 
@@ -52,13 +52,78 @@ def ieee_methods(cls):
     return cls
 
 
-class KernelEpoch:
-    """A backend's kernel settings as a counter the extension's bound calls read: setting or deleting
-    one of the names in ``_KERNEL_SETTINGS`` bumps ``_epoch``, and a ``bind_watched_linear`` call
-    made before hands its calls back (``WeightWatch`` in csrc/linear.cpp compares the counter)."""
+#: x's dtypes as the extension's bound calls number them (``x_code``).
+X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def watch_args(watch, epoch: torch.Tensor) -> tuple | None:
+    """The trailing arguments of the extension's bound calls (``PlanCheck`` in csrc/linear.cpp) for a
+    ``fp8ref.weightcheck.Watch``: ``(x_code, m_lo, m_hi, epoch, tensors, versions, addresses,
+    lengths, expected)``; None where they cannot check it (x's dtype not one they take, a sample of
+    device memory)."""
+    if watch.x_dtype not in X_DTYPES or (watch.byte_ranges is None and watch.sampled):
+        return None
+    return (X_DTYPES.index(watch.x_dtype), watch.m_lo, watch.m_hi, epoch, list(watch.tensors), list(watch.versions),
+            *range_tensors(watch.byte_ranges))
+
+
+class NativeBound:
+    """The warm-call hooks (``Backend.bind_linear``, ``bind_watched_linear``) of a backend whose
+    fused ``linear`` is one entry point of the extension (``cpu-fp8``'s ``fp8_linear``,
+    ``cpu-bf16``'s and ``cpu-fp32``'s ``wide_linear``; csrc/linear.cpp).
+
+    The backend gives ``_bound_args(w, scheme, out_dtype)``: ``(entry point, its arguments before
+    the bias, its arguments after has_bias)``, or None where its fused path does not apply;
+    ``_bind_state()``: the settings that pick the kernel; ``_WATCHED``: the extension's class of
+    the watched call; and ``_KERNEL_SETTINGS``: the names whose change changes the kernel. Setting
+    or deleting one of those bumps ``_epoch``, a one-element counter the watched calls read
+    (``WeightWatch`` in csrc/linear.cpp), so that a call bound before hands its calls back.
+    """
 
     #: Names whose change changes the kernel that runs: setting one bumps ``_epoch``.
     _KERNEL_SETTINGS: tuple[str, ...] = ()
+    #: The extension's class of the watched call (``BoundLinear``, ``BoundWideLinear``).
+    _WATCHED = ""
+
+    def _bound_args(self, w, scheme: QuantScheme, out_dtype: torch.dtype) -> tuple | None:
+        raise NotImplementedError
+
+    def _bind_state(self) -> tuple:
+        raise NotImplementedError
+
+    def bind_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype):
+        """``linear``'s fused path for one prepared weight, as one call into the extension (the
+        same steps in the same order, so the same bits); None where that path does not apply
+        (``_bound_args``). The call hands a case back (None) where ``linear`` would leave its fused
+        path, and when the settings that pick the kernel (``_bind_state``) changed since binding."""
+        bound = self._bound_args(w, scheme, out_dtype)
+        if bound is None:
+            return None
+        fn, args, tail = bound
+        sb = args[-1]  # an unread placeholder for the bias (a tensor the entry point accepts)
+        state = self._bind_state()
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+            if self._bind_state() != state:
+                return None
+            if bias is None:
+                return fn(x, *args, sb, False, *tail)
+            return fn(x, *args, bias, True, *tail)
+
+        return run
+
+    def bind_watched_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype, watch):
+        """``bind_linear``'s call with the plan's checks in the extension too (``PlanCheck`` in
+        csrc/linear.cpp: x's dtype and rows, grad mode, the weight tensors' pointers, versions,
+        sizes and strides, the sample's bytes, and this backend's kernel settings through
+        ``_epoch``): one call from Python per warm layer call."""
+        bound = self._bound_args(w, scheme, out_dtype)
+        mod = native.loaded()
+        checks = watch_args(watch, self._epoch)
+        if bound is None or mod is None or not hasattr(mod, self._WATCHED) or checks is None:
+            return None
+        _, args, tail = bound
+        return getattr(mod, self._WATCHED)(*args, *tail, *checks)
 
     @property
     def _epoch(self) -> torch.Tensor:
@@ -77,21 +142,6 @@ class KernelEpoch:
         object.__delattr__(self, name)
         if name in self._KERNEL_SETTINGS:
             self._epoch.add_(1)
-
-
-#: x's dtypes as the extension's bound calls number them (``x_code``).
-X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def watch_args(watch, epoch: torch.Tensor) -> tuple | None:
-    """The trailing arguments of the extension's bound calls (``PlanCheck`` in csrc/linear.cpp) for a
-    ``fp8ref.weightcheck.Watch``: ``(x_code, m_lo, m_hi, epoch, tensors, versions, addresses,
-    lengths, expected)``; None where they cannot check it (x's dtype not one they take, a sample of
-    device memory)."""
-    if watch.x_dtype not in X_DTYPES or (watch.byte_ranges is None and watch.sampled):
-        return None
-    return (X_DTYPES.index(watch.x_dtype), watch.m_lo, watch.m_hi, epoch, list(watch.tensors), list(watch.versions),
-            *range_tensors(watch.byte_ranges))
 
 
 @dataclass(frozen=True, eq=False)

@@ -59,7 +59,7 @@ from ..spec.quant import Quantized, check_float_input
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 from ._common import (
-    KernelEpoch,
+    NativeBound,
     PreparedWeight,
     Shared,
     amax_all_finite,
@@ -73,7 +73,6 @@ from ._common import (
     segment_scale,
     standard_scale,
     unwrap,
-    watch_args,
 )
 from ._compiled import COMPILED as _COMPILED
 from ._compiled import compile_enabled
@@ -198,7 +197,7 @@ def _epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.T
 
 
 @ieee_methods
-class CpuWideBackend(KernelEpoch, Backend):
+class CpuWideBackend(NativeBound, Backend):
     """FP8 values held exactly in ``wide`` (bf16 or fp32), one wide GEMM, fp32 scales and bias.
 
     Examples
@@ -400,51 +399,21 @@ class CpuWideBackend(KernelEpoch, Backend):
 
     #: Names whose change changes the kernel that runs (``_bind_state``): setting one bumps ``_epoch``.
     _KERNEL_SETTINGS = ("wide", "bf16_dot_products")
+    #: The watched call (``bind_watched_linear``): ``wide_linear`` with the plan's checks.
+    _WATCHED = "BoundWideLinear"
 
     def _bind_state(self) -> tuple:
         """The settings that pick the bound path's kernel (a bound call made under others hands back)."""
         return self.wide, self.bf16_dot_products
 
-    def bind_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype):
-        """``linear``'s fused path for one prepared weight, as one call into the extension
-        (``wide_linear`` in csrc/linear.cpp: the same quantizer, amax check, oneDNN GEMM and
-        epilogue, in the same order); None where that path does not apply (the weight not prepared
-        here, a scheme or weight recipe the fused path does not take, an output the extension's
-        epilogue does not write, fp32 GEMMs on bf16 dot products, the extension not loaded). The
-        bound call hands a case back (None) where ``linear`` would leave its fused path, and when
-        a kernel setting changed since binding."""
-        bound = self._bound_args(w, scheme, out_dtype)
-        if bound is None:
-            return None
-        fn, args, tail = bound
-        sb = args[-1]
-        state = self._bind_state()
-
-        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-            if self._bind_state() != state:
-                return None
-            if bias is None:
-                return fn(x, *args, sb, False, *tail)
-            return fn(x, *args, bias, True, *tail)
-
-        return run
-
-    def bind_watched_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype, watch):
-        """``bind_linear``'s call with the plan's checks in the extension too (``BoundWideLinear`` in
-        csrc/linear.cpp, the checks of ``PlanCheck``): one call from Python per warm layer call."""
-        bound = self._bound_args(w, scheme, out_dtype)
-        mod = native.loaded()
-        checks = watch_args(watch, self._epoch)
-        if bound is None or mod is None or not hasattr(mod, "BoundWideLinear") or checks is None:
-            return None
-        _, args, tail = bound
-        return mod.BoundWideLinear(*args, *tail, *checks)
-
     def _bound_args(self, w, scheme: QuantScheme, out_dtype: torch.dtype) -> tuple | None:
         """``(wide_linear, its arguments up to sb, its arguments after has_bias)`` for one prepared
-        weight, or None where the bound path does not apply: what ``linear``'s fused path needs
-        (a per-row dynamic scheme, one weight scale along K) with the extension's quantizer and
-        epilogue (``native_rows``, ``_native_epilogue``) and ``_gemm`` without its precision switch."""
+        weight, what ``NativeBound``'s ``bind_linear`` and ``bind_watched_linear`` bind; None where
+        the bound path does not apply. It applies where ``linear``'s fused path runs (a per-row
+        dynamic scheme, one weight scale along K, the weight prepared here) with the extension's
+        quantizer and epilogue (``native_rows``, ``_native_epilogue``: the extension loaded, a bf16
+        or fp32 output) and ``_gemm`` without its precision switch (no fp32 GEMM on bf16 dot
+        products)."""
         b, extra = unwrap(w, self.name)
         mod = native.loaded()
         if (not extra or mod is None or not hasattr(mod, "wide_linear") or not self._fusable_scheme(scheme)

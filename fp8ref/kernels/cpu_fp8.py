@@ -51,7 +51,7 @@ from ..spec.quant import Quantized
 from ..spec.schemes import Granularity, QuantScheme
 from . import native
 from ._common import (
-    KernelEpoch,
+    NativeBound,
     PreparedWeight,
     amax_all_finite,
     bias_fp32,
@@ -63,7 +63,6 @@ from ._common import (
     native_format_args,
     native_quant,
     unwrap,
-    watch_args,
 )
 
 __all__ = ["CpuFp8Backend", "pack_weight", "gemm_path", "MAX_M", "MAX_M_AVX2", "MAX_M_FALLBACK",
@@ -153,7 +152,7 @@ def _nan_codes(codes: torch.Tensor) -> bool:
 
 
 @ieee_methods
-class CpuFp8Backend(KernelEpoch, Backend):
+class CpuFp8Backend(NativeBound, Backend):
     """FP8 codes read directly by a C++ kernel (see the module docstring).
 
     Examples
@@ -269,42 +268,6 @@ class CpuFp8Backend(KernelEpoch, Backend):
                        (b32 if b32 is not None else sa, b32 is not None), out_dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
-    def bind_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype):
-        """``linear``'s fast path for one prepared weight, as one call into the extension
-        (``fp8_linear`` in csrc/linear.cpp: the same quantizer, amax check, GEMM and rounding, in
-        the same order); None where that path does not apply (the weight not prepared here, another
-        scheme, the extension not loaded). The bound call hands a case back (None) where ``linear``
-        would leave its fast path, and when the settings that pick the kernel (``_bind_state``)
-        changed since binding."""
-        bound = self._bound_args(w, scheme, out_dtype)
-        if bound is None:
-            return None
-        fn, args, tail = bound
-        sb = args[-1]
-        state = self._bind_state()
-
-        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-            if self._bind_state() != state:
-                return None
-            if bias is None:
-                return fn(x, *args, sb, False, *tail)
-            return fn(x, *args, bias, True, *tail)
-
-        return run
-
-    def bind_watched_linear(self, w, scheme: QuantScheme, out_dtype: torch.dtype, watch):
-        """``bind_linear``'s call with the plan's checks in the extension too (``BoundLinear`` in
-        csrc/linear.cpp: x's dtype and rows, grad mode, the weight tensors' pointers, versions,
-        sizes and strides, the sample's bytes, and this backend's kernel settings through
-        ``_epoch``, a counter ``__setattr__`` bumps): one call from Python per warm layer call."""
-        bound = self._bound_args(w, scheme, out_dtype)
-        mod = native.loaded()
-        checks = watch_args(watch, self._epoch)
-        if bound is None or mod is None or not hasattr(mod, "BoundLinear") or checks is None:
-            return None
-        _, args, tail = bound
-        return mod.BoundLinear(*args, *tail, *checks)
-
     def _bound_args(self, w, scheme: QuantScheme, out_dtype: torch.dtype) -> tuple | None:
         """``(fp8_linear, its arguments up to sb, its arguments from isa)`` for one prepared weight,
         or None where the bound path does not apply."""
@@ -324,6 +287,8 @@ class CpuFp8Backend(KernelEpoch, Backend):
 
     #: Names whose change changes the kernel that runs (``_bind_state``): setting one bumps ``_epoch``.
     _KERNEL_SETTINGS = ("isa", "bf16_dot", "emulate")
+    #: The watched call (``bind_watched_linear``): ``fp8_linear`` with the plan's checks.
+    _WATCHED = "BoundLinear"
 
     def _bind_state(self) -> tuple:
         """The settings that pick this backend's kernel (tests force them on the shared instance)."""
