@@ -47,7 +47,7 @@ from .spec.quant import Quantized
 from .spec.schemes import QuantScheme, Recipe
 
 __all__ = ["Backend", "Case", "BackendInfo", "NonFinite", "ScaleLayout", "RAISE", "PROPAGATE", "SPEC_NON_FINITE",
-           "non_finite_policy", "register_backend",
+           "non_finite_policy", "register_backend", "bound_call",
            "unregister_backend", "get_backend", "backends", "ENTRY_POINT_GROUP", "ENV_ALLOW", "OPS", "decline_reason",
            "backend_quantize", "is_trusted", "origin", "MoeBackend", "register_moe_backend", "get_moe_backend",
            "moe_backends"]
@@ -350,6 +350,17 @@ def backend_quantize(backend: Backend, x: torch.Tensor, scheme: QuantScheme,
         raise TypeError(f"backend {backend.name!r}: quantize(x, scheme) takes no scale=, so it cannot run the "
                         f"static scheme {scheme.short_str()}")
     return backend.quantize(x, scheme, scale=scale)
+
+
+def bound_call(backend: Backend, w: Any, scheme: QuantScheme, out_dtype: torch.dtype) -> Callable | None:
+    """``backend.bind_linear(w, scheme, out_dtype)``, or None where the backend binds nothing or
+    binding raises: its calls then take ``backend.linear``, which reports whatever is wrong. What a
+    plan's warm calls run (``fp8ref.api.plans``) and what the selector times (``fp8ref.select.timing``)."""
+    try:
+        fast = backend.bind_linear(w, scheme, out_dtype)
+    except Exception:
+        return None
+    return fast if callable(fast) else None
 
 
 def decline_reason(backend: Backend, case: Case) -> str | None:

@@ -28,6 +28,7 @@ from .. import select as _select
 from ..kernels import native as _native
 from ..registry import Backend as _Backend
 from ..registry import Case as _Case
+from ..registry import bound_call as _bound_call
 from ..select import generation as _generation
 from ..select.keys import bucket_lo, m_bucket
 from ..spec.checks import check_call, check_values, check_weight, check_x
@@ -164,18 +165,8 @@ def make_plan(e: WeightEntry, req: Request, bias: object = None) -> Plan:
         STATS["prepare_weight"] += 1
         e.prepared[b.name] = prepared
     return Plan(e, b, prepared, recipe.activation, req.out_dtype, not b.rejects_non_finite,
-                None if decision is None else decision.key, gen, bias, _bind(b, prepared, recipe.activation,
-                                                                          req.out_dtype))
-
-
-def _bind(b: _Backend, prepared: object, scheme: QuantScheme, out_dtype: torch.dtype):
-    """``b.bind_linear(...)``, or None where the backend binds nothing or binding fails (its calls
-    then take ``b.linear``, which reports whatever is wrong)."""
-    try:
-        fast = b.bind_linear(prepared, scheme, out_dtype)
-    except Exception:
-        return None
-    return fast if callable(fast) else None
+                None if decision is None else decision.key, gen, bias,
+                _bound_call(b, prepared, recipe.activation, req.out_dtype))
 
 
 def _bind_watched(p: Plan, key: tuple, weight: torch.Tensor, weight_scale: torch.Tensor):

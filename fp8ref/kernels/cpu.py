@@ -194,8 +194,6 @@ def _epilogue(y: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.T
     return y.to(out_dtype)
 
 
-
-
 @ieee_methods
 class CpuWideBackend(NativeBound, Backend):
     """FP8 values held exactly in ``wide`` (bf16 or fp32), one wide GEMM, fp32 scales and bias.

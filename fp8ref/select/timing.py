@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..registry import Backend, Case
+from ..registry import Backend, Case, bound_call
 from ..spec.quant import Quantized, quantize
 from ..spec.schemes import QuantScheme
 from .decision import Row
@@ -88,11 +88,8 @@ def warm_call(backend: Backend, prepared, x: torch.Tensor, bias: torch.Tensor | 
     backend's bound call where it binds one (``Backend.bind_linear``), else ``Backend.linear``; a
     bound call that hands the case back is followed by the ``linear`` call that then runs, as a
     plan's would be. What the selector times (``timer``, and the probe's estimate)."""
-    try:
-        fast = backend.bind_linear(prepared, scheme, out_dtype)
-    except Exception:  # a plan binds nothing then either (fp8ref.api.plans._bind)
-        fast = None
-    if not callable(fast):
+    fast = bound_call(backend, prepared, scheme, out_dtype)
+    if fast is None:
         return lambda: backend.linear(x, prepared, bias, out_dtype, scheme)
 
     def call():

@@ -173,7 +173,7 @@ static at::Tensor wide_linear_late(at::Tensor x, double qmax, double floor, int6
                   (packed ? weight.is_mkldnn() : weight.layout() == at::kStrided),
               "wide_linear: weight must be a [N, K] CPU tensor of the mode's dtype (oneDNN's packed layout when "
               "packed)");
-  TORCH_CHECK(mode == 1 ? out_bf16 : true, "wide_linear: bf16 values (mode 1) give a bf16 output only");
+  TORCH_CHECK(mode != 1 || out_bf16, "wide_linear: bf16 values (mode 1) give a bf16 output only");
   const int64_t N = weight.size(0), K = weight.size(1);
   check_fp32_vector(sb, N, "wide_linear", "sb");
   at::Tensor b32;
