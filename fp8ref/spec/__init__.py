@@ -5,8 +5,10 @@ A leaf: it imports nothing else from fp8ref. Its modules follow the dependency o
 ``fenv`` (subnormals kept whatever the caller's thread flushes) -> ``formats`` (the three FP8
 formats) -> ``schemes`` (how a tensor is quantized, recipes) -> ``dense`` (the layout check) ->
 ``quant`` (the reference quantizer) -> ``gemm`` (the exact scaled GEMM) -> ``checks`` (the
-argument checks of the calling contract, the one home every entry point imports) -> ``bounds``
-(error bounds derived from unit roundoffs, precision classes, the scale tolerance) -> ``loading``
+argument checks of the calling contract, the one home every entry point imports) -> ``roundoff``
+(unit roundoffs, Higham's gamma) -> ``quant_bounds`` (the scale tolerance and the quantization
+bounds) -> ``bounds`` (the GEMM and end-to-end bounds, precision classes; it re-exports the two
+before it) -> ``loading``
 (what a loaded fused, tensor-parallel weight must dequantize to); ``compare`` (a
 leaf on torch alone) is the one routine that judges a value against a reference and a bound,
 returning a typed ``Verdict``: every contract, the selector's probe and the audits call it.
